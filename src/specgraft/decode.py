@@ -1,0 +1,212 @@
+"""The one decode loop, for every method:
+
+    prefill -> [ drafter.propose (tree within budget) -> backend.verify (one forward)
+                 -> rule -> backend.commit -> drafter.observe ]*
+
+``decode_tokens`` is the loop at the token level; :class:`Engine` adds tokenisation, chat templates,
+stop strings, text streaming and the drafter cache (so a "hot" retrieval matrix survives across requests).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .backend import TargetBackend
+from .drafters import DEFAULTS, DraftContext, Drafter, make_drafter
+from .errors import SpecgraftError
+from .sampling import SamplingParams, make_generator, target_probs
+from .stats import Stats
+from .verify import verify_tree
+
+
+def first_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
+    """The token after the prompt, from the prefill logits (the same for every method)."""
+    if params.greedy:
+        return int(logits.argmax())
+    return int(torch.multinomial(target_probs(logits, params), 1, generator=gen))
+
+
+def decode_tokens(backend: TargetBackend, drafter: Drafter, prompt_ids: list[int], params: SamplingParams,
+                  max_new_tokens: int, budget: int, eos_ids: set[int], stats: Stats,
+                  gen: torch.Generator) -> Iterator[list[int]]:
+    """Yield the tokens each step commits (cut at EOS, which is included, and at ``max_new_tokens``)."""
+    clock = time.perf_counter
+    t0 = clock()
+    logits = backend.prefill(torch.tensor(prompt_ids, dtype=torch.long), drafter.needs_prefill_logits)
+    drafter.start(prompt_ids, logits if drafter.needs_prefill_logits else None)
+    tok = first_token(logits[-1], params, gen)
+    stats.prefill_s += clock() - t0
+    ids = [*prompt_ids, tok]
+    stats.new_tokens += 1
+    yield [tok]
+    remaining = max_new_tokens - 1
+    while remaining > 0 and tok not in eos_ids:
+        t1 = clock()
+        tree = drafter.propose(DraftContext(ids, budget))
+        t2 = clock()
+        out = backend.verify(tree)
+        t3 = clock()
+        verdict = verify_tree(tree, out.logits, params, gen)
+        backend.commit(verdict.accepted)
+        t4 = clock()
+        drafter.observe(tree, out.logits, verdict)
+        t5 = clock()
+        new = tree.tokens[verdict.accepted[1:]].tolist() + [verdict.bonus]
+        cut = next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))
+        new = new[: min(cut, remaining)]
+        kids = tree.children
+        stats.record_step(verdict.accept_length, [bool(kids[n]) for n in verdict.accepted], len(new),
+                          tree.size - 1)
+        stats.draft_s += (t2 - t1) + (t5 - t4)
+        stats.verify_s += t3 - t2
+        ids.extend(new)
+        stats.new_tokens += len(new)
+        remaining -= len(new)
+        tok = new[-1]
+        yield new
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    stats: Stats
+    config: dict = field(default_factory=dict)
+
+    def to_record(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": len(self.prompt_ids),
+                "config": self.config, "stats": self.stats.to_dict()}
+
+
+class Stream:
+    """Iterate for text pieces; ``result`` holds the :class:`Generation` once iteration ends."""
+
+    def __init__(self, pieces: Iterator[str]):
+        self._pieces = pieces
+        self.result: Generation | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._pieces
+
+
+class Engine:
+    """A loaded target plus cached drafters. ``Engine("smollm2-135m")`` or ``Engine.from_model(m, tok)``."""
+
+    def __init__(self, model: str = "smollm2-135m", dtype: str = "float32", cache_dir: str | None = None):
+        from .models import load
+
+        hf_model, tok = load(model, dtype, cache_dir)
+        self._setup(hf_model, tok, model, dtype)
+
+    @classmethod
+    def from_model(cls, hf_model, tokenizer, name: str = "custom") -> "Engine":
+        self = cls.__new__(cls)
+        self._setup(hf_model, tokenizer, name, str(next(hf_model.parameters()).dtype).replace("torch.", ""))
+        return self
+
+    def _setup(self, hf_model, tok, name: str, dtype: str) -> None:
+        self.backend = TargetBackend(hf_model)
+        self.tokenizer, self.model_name, self.dtype = tok, name, dtype
+        self.vocab_size = int(hf_model.get_output_embeddings().weight.shape[0])
+        eos = hf_model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = {int(e) for e in [*eos, tok.eos_token_id] if e is not None}
+        self._drafters: dict[tuple, Drafter] = {}
+
+    def encode(self, prompt: str, chat: bool = True) -> list[int]:
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise SpecgraftError("empty prompt")
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                      add_generation_prompt=True, tokenize=False)
+            return self.tokenizer(text, add_special_tokens=False).input_ids
+        return self.tokenizer(prompt).input_ids
+
+    def drafter(self, method: str, **options) -> Drafter:
+        key = (method, tuple(sorted(options.items())))
+        if key not in self._drafters:
+            self._drafters[key] = make_drafter(method, self.vocab_size, **options)
+        return self._drafters[key]
+
+    def stream(self, prompt: str | list[int], method: str = "ar", *, sampling: SamplingParams | None = None,
+               max_new_tokens: int = 128, stop: tuple[str, ...] = (), chat: bool = True,
+               budget: int | None = None, **method_options) -> Stream:
+        """Validate everything up front (errors raise here, not mid-stream), then return a lazy stream."""
+        sampling = sampling or SamplingParams()
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise SpecgraftError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        drafter = self.drafter(method, **method_options)
+        budget = DEFAULTS[method]["budget"] if budget is None else budget
+        if budget < 0:
+            raise SpecgraftError(f"budget must be >= 0, got {budget}")
+        ids = list(prompt) if isinstance(prompt, list) else self.encode(prompt, chat)
+        if not ids:
+            raise SpecgraftError("empty prompt")
+        need = len(ids) + max_new_tokens + budget + 1
+        if need > self.backend.max_positions:
+            raise SpecgraftError(f"prompt too long: {len(ids)} tokens + {max_new_tokens} new (+ {budget + 1} tree "
+                                 f"slots) exceeds the model's {self.backend.max_positions} positions")
+        config = {"model": self.model_name, "dtype": self.dtype, "method": method, "budget": budget,
+                  **{k: v for k, v in DEFAULTS[method].items() if k != "budget"}, **method_options,
+                  "sampling": sampling.to_dict(), "max_new_tokens": max_new_tokens, "chat": chat,
+                  "stop": list(stop)}
+        stream = Stream(iter(()))
+        stream._pieces = self._pieces(stream, ids, drafter, sampling, max_new_tokens, budget, stop, config)
+        return stream
+
+    def _pieces(self, stream: Stream, ids, drafter, sampling, max_new_tokens, budget, stop, config):
+        stats = Stats(method=drafter.name)
+        gen = make_generator(sampling.seed)
+        out: list[int] = []
+        text = ""
+        t0 = time.perf_counter()
+        steps = decode_tokens(self.backend, drafter, ids, sampling, max_new_tokens, budget, self.eos_ids,
+                              stats, gen)
+        for new in steps:
+            out.extend(new)
+            full = self.tokenizer.decode(out, skip_special_tokens=True)
+            hit = min((full.find(s) for s in stop if s in full), default=-1)
+            if hit >= 0:
+                out = self._trim_to_stop(out, stop)
+                full = full[:hit]
+            if not full.endswith("\ufffd") and len(full) > len(text):  # hold back incomplete UTF-8
+                yield full[len(text):]
+                text = full
+            if hit >= 0:
+                steps.close()
+                break
+        stats.total_s = time.perf_counter() - t0
+        described = drafter.describe()
+        stats.retrieval_state = described.get("retrieval_state")
+        config = {**config, "drafter": described}
+        stream.result = Generation(text, out, ids, stats, config)
+
+    def _trim_to_stop(self, out: list[int], stop) -> list[int]:
+        """Shortest token prefix whose text contains a stop string (a step may overshoot it)."""
+        for n in range(1, len(out) + 1):
+            if any(s in self.tokenizer.decode(out[:n], skip_special_tokens=True) for s in stop):
+                return out[:n]
+        return out
+
+    def generate(self, prompt: str | list[int], method: str = "ar", **kwargs) -> Generation:
+        stream = self.stream(prompt, method, **kwargs)
+        for _ in stream:
+            pass
+        return stream.result
+
+
+_ENGINES: dict[tuple, Engine] = {}
+
+
+def generate(prompt: str, model: str = "smollm2-135m", method: str = "ar", dtype: str = "float32",
+             **kwargs) -> Generation:
+    """One-call API; the engine (model load) is cached per ``(model, dtype)`` within the process."""
+    key = (model, dtype)
+    if key not in _ENGINES:
+        _ENGINES[key] = Engine(model, dtype)
+    return _ENGINES[key].generate(prompt, method, **kwargs)

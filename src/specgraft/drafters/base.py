@@ -1,0 +1,58 @@
+"""The drafter protocol: every method, AR included, is a drafter that the one decode loop drives.
+
+Per request the loop calls ``start`` once (after prefill), then per step ``propose`` (a tree within the
+node budget) and ``observe`` (the target's logits at every node of that tree, and the verdict). Retrieval
+state (Token Recycling's matrix, later Graft's) lives behind ``observe``; the loop never knows which
+drafter it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..tree import Tree
+from ..verify import Verdict
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    ids: list[int]  # committed tokens, prompt included; ids[-1] is the root of the next tree
+    budget: int  # maximum number of non-root nodes the tree may have
+
+
+class Drafter(Protocol):
+    name: str
+    # Whether ``start`` wants logits at every prompt position (costs an lm_head over the prompt).
+    needs_prefill_logits: bool
+
+    def start(self, prompt_ids: list[int], prefill_logits: torch.Tensor | None) -> None: ...
+
+    def propose(self, ctx: DraftContext) -> Tree: ...
+
+    def observe(self, tree: Tree, logits: torch.Tensor, verdict: Verdict) -> None: ...
+
+    def describe(self) -> dict:
+        """Configuration and state for records: method parameters, retrieval scope and state."""
+        ...
+
+
+class NoDraft:
+    """Plain autoregressive decoding: the tree is the root alone, so each step commits one token."""
+
+    name = "ar"
+    needs_prefill_logits = False
+
+    def start(self, prompt_ids, prefill_logits) -> None:
+        pass
+
+    def propose(self, ctx: DraftContext) -> Tree:
+        return Tree.chain(ctx.ids[-1], [])
+
+    def observe(self, tree, logits, verdict) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {"method": self.name}

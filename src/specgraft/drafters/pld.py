@@ -1,0 +1,54 @@
+"""Prompt lookup decoding: copy the continuation of an earlier occurrence of the current n-gram suffix.
+
+Example (``max_ngram=3``, ``num_pred=4``)::
+
+    ids   = a b c d e f a b c   (suffix "a b c")
+    match = positions 0..2 -> candidates = ids[3:7] = d e f a
+
+Longest n-gram first, earliest match first; the continuation may be cut by the end of the history.
+The candidates form a deterministic chain verified like any tree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from ..tree import SOURCE_PLD, Tree
+from .base import DraftContext
+
+
+def pld_candidates(ids: np.ndarray, max_ngram: int = 3, num_pred: int = 10) -> list[int]:
+    t = len(ids)
+    for n in range(min(max_ngram, t - 1), 0, -1):
+        tail = ids[t - n:]
+        windows = sliding_window_view(ids[: t - 1], n)  # windows that end before the last token
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        if hits.size:
+            start = int(hits[0]) + n
+            return ids[start: min(start + num_pred, t)].tolist()
+    return []
+
+
+class PromptLookup:
+    name = "pld"
+    needs_prefill_logits = False
+
+    def __init__(self, max_ngram: int = 3, num_pred: int = 10):
+        if max_ngram < 1 or num_pred < 1:
+            raise ValueError("pld needs max_ngram >= 1 and num_pred >= 1")
+        self.max_ngram, self.num_pred = max_ngram, num_pred
+
+    def start(self, prompt_ids, prefill_logits) -> None:
+        pass
+
+    def propose(self, ctx: DraftContext) -> Tree:
+        n = min(self.num_pred, ctx.budget)
+        cands = pld_candidates(np.asarray(ctx.ids), self.max_ngram, n) if n > 0 else []
+        return Tree.chain(ctx.ids[-1], cands, SOURCE_PLD)
+
+    def observe(self, tree, logits, verdict) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {"method": self.name, "max_ngram": self.max_ngram, "num_pred": self.num_pred}

@@ -1,0 +1,137 @@
+"""Token Recycling (arXiv 2408.08696): an adjacency matrix of top-k successors, read through a static tree.
+
+``M[v]`` holds the top-k tokens the target predicted the last time it processed token ``v`` (``-1`` = never
+seen). Every verification overwrites the rows of every tree node's token (accepted or not) with the top-k
+of that node's logits. A template of rank paths turns ``M`` into a tree, one batched gather per level::
+
+    root r                    rank path      token
+    ├── M[r,0] = a            [0]            a
+    │   ├── M[a,0]            [0,0]          M[a, 0]
+    │   └── M[a,1]            [0,1]          M[a, 1]
+    └── M[r,1] = b            [1]            b
+        └── M[b,0]            [1,0]          M[b, 0]
+
+A node whose parent's row is empty is dropped with its subtree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..tree import SOURCE_RETRIEVAL, SOURCE_ROOT, Tree
+from .base import DraftContext
+
+# The official "2.2.2" template (80 nodes, depth 6), as rank paths from the root, level by level.
+TEMPLATE_222: tuple[tuple[int, ...], ...] = (
+    (0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,),
+    (0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (0, 6), (0, 7), (1, 0), (1, 1), (1, 2), (1, 3),
+    (2, 0), (2, 1), (2, 2), (3, 0), (3, 1), (4, 0), (5, 0), (6, 0), (7, 0),
+    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 0, 3), (0, 0, 4), (0, 0, 5), (0, 0, 6), (0, 0, 7), (0, 1, 0),
+    (0, 1, 1), (0, 1, 2), (0, 2, 0), (0, 2, 1), (0, 3, 0), (0, 4, 0), (0, 5, 0), (0, 6, 0), (0, 7, 0),
+    (1, 0, 0), (1, 0, 1), (1, 1, 0), (2, 0, 0), (3, 0, 0), (4, 0, 0), (5, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2), (0, 0, 0, 3), (0, 0, 0, 4), (0, 0, 1, 0), (0, 0, 1, 1),
+    (0, 0, 2, 0), (0, 0, 3, 0), (0, 0, 4, 0), (0, 1, 0, 0), (0, 2, 0, 0), (1, 0, 0, 0), (2, 0, 0, 0),
+    (3, 0, 0, 0),
+    (0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (0, 0, 0, 0, 2), (0, 0, 0, 1, 0), (0, 0, 0, 2, 0), (0, 0, 1, 0, 0),
+    (0, 1, 0, 0, 0), (1, 0, 0, 0, 0),
+    (0, 0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 1), (0, 0, 0, 1, 0, 0),
+)
+
+
+def compile_template(paths: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rank paths -> (parents, ranks, depths) over ``1 + len(paths)`` nodes, node 0 the root.
+
+    Requires every path's prefix to appear earlier (prefix-closed, BFS order), so that any prefix of the
+    node list is itself a valid tree: a budget smaller than the template keeps the first nodes.
+    """
+    index = {(): 0}
+    parents, ranks, depths = [-1], [-1], [0]
+    for path in paths:
+        if path[:-1] not in index:
+            raise ValueError(f"template path {path} appears before its parent {path[:-1]}")
+        index[path] = len(parents)
+        parents.append(index[path[:-1]])
+        ranks.append(path[-1])
+        depths.append(len(path))
+    return np.array(parents), np.array(ranks), np.array(depths)
+
+
+class AdjacencyMatrix:
+    """``[V, k]`` int64 successor table; ``-1`` marks a row never written (cold)."""
+
+    def __init__(self, vocab_size: int, k: int = 8):
+        self.k = k
+        self.table = torch.full((vocab_size, k), -1, dtype=torch.long)
+
+    def clear(self) -> None:
+        self.table.fill_(-1)
+
+    @property
+    def rows_filled(self) -> int:
+        return int((self.table[:, 0] >= 0).sum())
+
+    def update(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """``M[tokens[j]] = topk(logits[j])``; a token occurring twice keeps its last occurrence."""
+        toks = tokens.tolist()
+        last = list({t: j for j, t in enumerate(toks)}.values())  # dict keeps the last index per token
+        idx = torch.tensor(last, dtype=torch.long)
+        k = min(self.k, logits.shape[-1])
+        top = torch.topk(logits.index_select(0, idx), k, dim=-1).indices
+        self.table[tokens[idx], :k] = top
+
+    def materialize(self, root: int, parents: np.ndarray, ranks: np.ndarray, depths: np.ndarray) -> Tree:
+        """One gather per template level; nodes under a cold row (or rank >= k) are dropped."""
+        n = len(parents)
+        toks = torch.full((n,), -1, dtype=torch.long)
+        toks[0] = root
+        par_t = torch.from_numpy(parents)
+        rank_t = torch.from_numpy(ranks).clamp(0, self.k - 1)
+        rank_ok = torch.from_numpy(ranks < self.k)
+        for d in range(1, int(depths.max(initial=0)) + 1):
+            level = torch.from_numpy(np.flatnonzero(depths == d))
+            ptok = toks[par_t[level]]
+            got = self.table[ptok.clamp(min=0), rank_t[level]]
+            toks[level] = torch.where((ptok >= 0) & rank_ok[level], got, -1)
+        keep = np.flatnonzero(toks.numpy() >= 0)  # a dropped node's descendants are dropped too
+        remap = np.full(n, -1)
+        remap[keep] = np.arange(len(keep))
+        new_par = np.where(parents[keep] >= 0, remap[np.maximum(parents[keep], 0)], -1)
+        source = np.full(len(keep), SOURCE_RETRIEVAL, dtype=np.int8)
+        source[0] = SOURCE_ROOT
+        return Tree(toks[torch.from_numpy(keep)], torch.from_numpy(new_par), torch.from_numpy(source))
+
+
+class TokenRecycling:
+    """``scope="cold"``: the matrix is cleared for every request; ``"hot"``: it carries over."""
+
+    name = "recycle"
+    needs_prefill_logits = True
+
+    def __init__(self, vocab_size: int, k: int = 8, scope: str = "cold",
+                 template: tuple[tuple[int, ...], ...] = TEMPLATE_222):
+        if scope not in ("cold", "hot"):
+            raise ValueError(f"recycle scope must be 'cold' or 'hot', got {scope!r}")
+        self.matrix = AdjacencyMatrix(vocab_size, k)
+        self.scope = scope
+        self.parents, self.ranks, self.depths = compile_template(template)
+        self.requests = 0
+
+    def start(self, prompt_ids, prefill_logits) -> None:
+        if self.scope == "cold":
+            self.matrix.clear()
+        self.requests += 1
+        # The prefill's logits are free successor observations for every prompt token.
+        self.matrix.update(torch.tensor(prompt_ids, dtype=torch.long), prefill_logits)
+
+    def propose(self, ctx: DraftContext) -> Tree:
+        n = min(len(self.parents), ctx.budget + 1)
+        return self.matrix.materialize(ctx.ids[-1], self.parents[:n], self.ranks[:n], self.depths[:n])
+
+    def observe(self, tree: Tree, logits: torch.Tensor, verdict) -> None:
+        self.matrix.update(tree.tokens, logits)
+
+    def describe(self) -> dict:
+        state = "cold" if self.scope == "cold" or self.requests <= 1 else "hot"
+        return {"method": self.name, "k": self.matrix.k, "scope": self.scope, "retrieval_state": state,
+                "template_nodes": len(self.parents) - 1, "rows_filled": self.matrix.rows_filled}
