@@ -128,6 +128,7 @@ class Engine:
         return self.tokenizer(prompt).input_ids
 
     def drafter(self, method: str, **options) -> Drafter:
+        options.pop("budget", None)
         key = (method, tuple(sorted(options.items())))
         if key not in self._drafters:
             self._drafters[key] = make_drafter(method, self.vocab_size, **options)

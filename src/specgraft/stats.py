@@ -49,7 +49,7 @@ class Stats:
         self.steps += 1
         self.committed.append(committed)
         self.tree_nodes += nodes
-        need = len(deepest_with_children)
+        need = max((d + 1 for d, k in enumerate(deepest_with_children) if k), default=0)
         for lst in (self.depth_trials, self.depth_accepts):
             lst.extend([0] * (need - len(lst)))
         for d, has_kids in enumerate(deepest_with_children):

@@ -48,11 +48,11 @@ class Tree:
     source: torch.Tensor = field(default=None)  # int8[W]
 
     def __post_init__(self) -> None:
+        validate(self.parents.tolist())
         if self.source is None:
             src = torch.full_like(self.tokens, SOURCE_DRAFT, dtype=torch.int8)
             src[0] = SOURCE_ROOT
             object.__setattr__(self, "source", src)
-        validate(self.parents.tolist())
 
     @staticmethod
     def build(tokens: list[int], parents: list[int], source: list[int] | None = None) -> "Tree":

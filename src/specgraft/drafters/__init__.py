@@ -23,14 +23,14 @@ def make_drafter(method: str, vocab_size: int, **options) -> Drafter:
     unknown = set(options) - set(DEFAULTS[method])
     if unknown:
         raise SpecgraftError(f"method '{method}' has no option(s) {sorted(unknown)}; it takes {sorted(DEFAULTS[method])}")
-    opts = {**DEFAULTS[method], **options}
+    opts = {**DEFAULTS[method], **options}  # "budget" belongs to the loop; drafters read it from the context
     try:
         if method == "ar":
             return NoDraft()
         if method == "pld":
-            return PromptLookup(max_ngram=opts["max_ngram"], num_pred=opts["budget"])
+            return PromptLookup(max_ngram=opts["max_ngram"])
         return TokenRecycling(vocab_size, k=opts["k"], scope=opts["scope"])
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         raise SpecgraftError(str(err)) from err
 
 

@@ -34,16 +34,18 @@ class PromptLookup:
     name = "pld"
     needs_prefill_logits = False
 
-    def __init__(self, max_ngram: int = 3, num_pred: int = 10):
-        if max_ngram < 1 or num_pred < 1:
-            raise ValueError("pld needs max_ngram >= 1 and num_pred >= 1")
-        self.max_ngram, self.num_pred = max_ngram, num_pred
+    """The number of predicted tokens is the loop's node budget (default 10)."""
+
+    def __init__(self, max_ngram: int = 3):
+        if not isinstance(max_ngram, int) or max_ngram < 1:
+            raise ValueError(f"pld needs an integer max_ngram >= 1, got {max_ngram!r}")
+        self.max_ngram = max_ngram
 
     def start(self, prompt_ids, prefill_logits) -> None:
         pass
 
     def propose(self, ctx: DraftContext) -> Tree:
-        n = min(self.num_pred, ctx.budget)
+        n = ctx.budget
         cands = pld_candidates(np.asarray(ctx.ids), self.max_ngram, n) if n > 0 else []
         return Tree.chain(ctx.ids[-1], cands, SOURCE_PLD)
 
@@ -51,4 +53,4 @@ class PromptLookup:
         pass
 
     def describe(self) -> dict:
-        return {"method": self.name, "max_ngram": self.max_ngram, "num_pred": self.num_pred}
+        return {"method": self.name, "max_ngram": self.max_ngram}

@@ -110,6 +110,8 @@ class TokenRecycling:
 
     def __init__(self, vocab_size: int, k: int = 8, scope: str = "cold",
                  template: tuple[tuple[int, ...], ...] = TEMPLATE_222):
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"recycle k must be an integer >= 1, got {k!r}")
         if scope not in ("cold", "hot"):
             raise ValueError(f"recycle scope must be 'cold' or 'hot', got {scope!r}")
         self.matrix = AdjacencyMatrix(vocab_size, k)
