@@ -66,13 +66,15 @@ def random_tree(rng: np.random.Generator, w: int) -> Tree:
 
 
 def assert_matches(counts: dict, expected: dict, n: int, label: str = "") -> None:
-    """Chi-square (cells with expected < 5 pooled) and every cell within 5 standard errors."""
-    keys = sorted(expected, key=lambda k: -expected[k])
+    """Impossible outcomes never occur; chi-square (cells with expected < 5 pooled); every cell within 5 SE."""
+    impossible = [k for k, c in counts.items() if c and expected.get(k, 0.0) == 0.0]
+    assert not impossible, f"{label}: outcomes with probability 0 occurred: {impossible[:5]}"
+    keys = sorted((k for k in expected if expected[k] > 0), key=lambda k: -expected[k])
     obs = np.array([counts.get(k, 0) for k in keys], dtype=float)
     exp = np.array([expected[k] * n for k in keys])
     big = exp >= 5
     obs_b, exp_b = list(obs[big]), list(exp[big])
-    if (~big).any():
+    if (~big).any() and exp[~big].sum() > 0:
         obs_b.append(obs[~big].sum())
         exp_b.append(exp[~big].sum())
     obs_b, exp_b = np.array(obs_b), np.array(exp_b)

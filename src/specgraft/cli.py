@@ -84,7 +84,8 @@ def bench(
                                 "AR is always added as the baseline."),
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
     dtype: str = typer.Option("bfloat16"),
-    limit: Optional[int] = typer.Option(8, help="Use the first N prompts."),
+    limit: Optional[int] = typer.Option(8, help="Use the first N prompts (after --stride)."),
+    stride: int = typer.Option(1, help="Take every K-th prompt (10 on MT-Bench = one per category)."),
     max_new_tokens: int = typer.Option(128),
     temperature: float = typer.Option(0.0),
     top_p: float = typer.Option(1.0),
@@ -110,7 +111,9 @@ def bench(
             raise SpecgraftError(f"unknown method '{s.method}'; choose one of: {', '.join(METHODS)}")
     if limit is not None and limit < 1:
         raise SpecgraftError("--limit must be >= 1")
-    items = load_prompts(prompts, limit)
+    if stride < 1:
+        raise SpecgraftError("--stride must be >= 1")
+    items = load_prompts(prompts, limit, stride)
     _quiet_transformers()
     engine = Engine(model, dtype, cache_dir)
     n_methods = len(specs) + (0 if any(s.method == "ar" for s in specs) else 1)
@@ -119,7 +122,7 @@ def bench(
         result = run_bench(engine, items, specs, sampling, max_new_tokens, warmup, out,
                            progress=lambda label, pid: bar.update(task, advance=1, description=f"{label} @ {pid}"))
     info = result["machine"]
-    print(f"model={model} dtype={dtype} prompts={prompts} n={len(items)} max_new_tokens={max_new_tokens} "
+    print(f"model={model} dtype={dtype} prompts={prompts} n={len(items)} stride={stride} max_new_tokens={max_new_tokens} "
           f"sampling={sampling.to_dict()} commit={info['commit']} threads={info['threads']}")
     print(format_table(result))
     bad = {k: v for k, v in result["mismatches"].items() if v}

@@ -164,23 +164,30 @@ class Engine:
         stats = Stats(method=drafter.name)
         gen = make_generator(sampling.seed)
         out: list[int] = []
-        text = ""
+        text = full = ""
         t0 = time.perf_counter()
         steps = decode_tokens(self.backend, drafter, ids, sampling, max_new_tokens, budget, self.eos_ids,
                               stats, gen)
+        # Hold back the last (longest stop - 1) characters: a stop string may straddle two steps.
+        hold = max((len(x) for x in stop), default=1) - 1
         for new in steps:
             out.extend(new)
             full = self.tokenizer.decode(out, skip_special_tokens=True)
-            hit = min((full.find(s) for s in stop if s in full), default=-1)
+            hit = min((full.find(x) for x in stop if x in full), default=-1)
             if hit >= 0:
                 out = self._trim_to_stop(out, stop)
                 full = full[:hit]
-            if not full.endswith("\ufffd") and len(full) > len(text):  # hold back incomplete UTF-8
-                yield full[len(text):]
-                text = full
+            ready = len(full) if hit >= 0 else len(full) - hold
+            if ready > len(text) and not full[:ready].endswith("\ufffd"):  # hold back incomplete UTF-8
+                yield full[len(text):ready]
+                text = full[:ready]
             if hit >= 0:
                 steps.close()
                 break
+        else:
+            if len(full) > len(text):
+                yield full[len(text):]
+                text = full
         stats.total_s = time.perf_counter() - t0
         described = drafter.describe()
         stats.retrieval_state = described.get("retrieval_state")

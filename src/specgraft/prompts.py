@@ -59,8 +59,10 @@ def _read_lines(path: Path) -> list[str]:
         return [line for line in f if line.strip()]
 
 
-def load_prompts(source: str, limit: int | None = None) -> list[tuple[str, str, str]]:
-    """``source``: a dataset name or a path (.jsonl with a prompt/turns/text/question field, or .txt lines)."""
+def load_prompts(source: str, limit: int | None = None, stride: int = 1) -> list[tuple[str, str, str]]:
+    """``source``: a dataset name or a path (.jsonl with a prompt/turns/text/question field, or .txt lines).
+
+    Takes every ``stride``-th prompt (e.g. 10 on MT-Bench: one per category), then the first ``limit``."""
     path = Path(source)
     if not path.exists():
         path = dataset_path(source)
@@ -82,4 +84,5 @@ def load_prompts(source: str, limit: int | None = None) -> list[tuple[str, str, 
     items = [it for it in items if it[2].strip()]
     if not items:
         raise SpecgraftError(f"no prompts in {path}")
+    items = items[::stride]
     return items[:limit] if limit else items

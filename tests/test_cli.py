@@ -1,0 +1,69 @@
+"""Bad input gets one line on stderr and a non-zero exit, never a traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "specgraft", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", ""], "empty prompt"),
+    (["generate", "hi", "--method", "foo"], "unknown method 'foo'"),
+    (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+    (["generate", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["generate", "hi", "--top-k", "-2"], "top_k must be an integer"),
+    (["generate", "hi", "--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["generate", "hi", "--dtype", "int3"], "unknown dtype"),
+    (["bench", "--methods", "ar,nope", "--prompts", "x.jsonl"], "unknown method 'nope'"),
+])
+def test_bad_input_one_line_error(args, message):
+    r = cli(*args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bench_bad_prompt_file_writes_nothing(tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"nothing": 1}\n')
+    out = tmp_path / "out.jsonl"
+    r = cli("bench", "--prompts", str(bad), "--out", str(out))
+    assert r.returncode == 2 and "no prompt field" in r.stderr and not out.exists()
+
+
+@pytest.mark.slow
+def test_generate_json_and_over_long_prompt(smollm2_engine):
+    r = cli("generate", "Say hello.", "--method", "pld", "--dtype", "float32", "--max-new-tokens", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    assert rec["config"]["method"] == "pld" and rec["stats"]["new_tokens"] <= 8 and rec["token_ids"]
+    r = cli("generate", "word " * 9000)
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: prompt too long") and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_generate_streams_then_stats_line(smollm2_engine):
+    r = cli("generate", "Name three colours.", "--method", "recycle", "--max-new-tokens", "16")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert "[recycle]" in r.stderr and "MAT" in r.stderr
+
+
+@pytest.mark.slow
+def test_bench_runs_interleaved_and_checks_exactness(tmp_path, smollm2_engine):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Count from one to ten in words.\nName the days of the week.\n")
+    out = tmp_path / "rec.jsonl"
+    r = cli("bench", "--prompts", str(prompts), "--methods", "pld;recycle:budget=16", "--dtype", "float32",
+            "--max-new-tokens", "24", "--out", str(out), "--warmup", "0")
+    assert r.returncode == 0, r.stderr
+    assert "| ar |" in r.stdout and "| recycle:budget=16 |" in r.stdout and "NO (" not in r.stdout
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(recs) == 6 and {r["label"] for r in recs} == {"ar", "pld", "recycle:budget=16"}
