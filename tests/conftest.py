@@ -50,3 +50,17 @@ def assert_greedy_equal(engine, ref, out, label="") -> bool:
         f"{label}: differs from AR at token {i} ({ref.token_ids[i]} vs {out.token_ids[i]}), not a tie: " \
         f"gaps {top - a:.2e}, {top - b:.2e}"
     return True
+
+
+@pytest.fixture(scope="session")
+def tiny_engine():
+    """A tiny random Llama behind SmolLM2's real tokenizer and chat template: fast end-to-end runs."""
+    from transformers import AutoTokenizer
+
+    from specgraft import Engine, models
+
+    tok = AutoTokenizer.from_pretrained(models.resolve("smollm2-135m"))
+    model = tiny_llama(vocab=len(tok), layers=1, scale=8.0)
+    with torch.no_grad():  # only the first 300 tokens can win: outputs repeat, so retrieval has work to do
+        model.lm_head.weight[300:] = 0
+    return Engine.from_model(model, tok, name="tiny-smollm2-vocab")

@@ -20,7 +20,10 @@ def cli(*args, timeout=300):
     (["generate", "hi", "--top-k", "-2"], "top_k must be an integer"),
     (["generate", "hi", "--model", "no-such-model"], "unknown model 'no-such-model'"),
     (["generate", "hi", "--dtype", "int3"], "unknown dtype"),
-    (["bench", "--methods", "ar,nope", "--prompts", "x.jsonl"], "unknown method 'nope'"),
+    (["bench", "--prompts", "x.jsonl"], "prompt file not found"),
+    (["bench", "--methods", "ar;nope"], "unknown method 'nope'"),
+    (["bench", "--seeds", "a,b"], "--seeds must be comma-separated integers"),
+    (["report", "no-such-file.jsonl"], "records file not found"),
 ])
 def test_bad_input_one_line_error(args, message):
     r = cli(*args)
@@ -57,13 +60,20 @@ def test_generate_streams_then_stats_line(smollm2_engine):
 
 
 @pytest.mark.slow
-def test_bench_runs_interleaved_and_checks_exactness(tmp_path, smollm2_engine):
+def test_bench_and_report_commands(tmp_path, smollm2_engine):
     prompts = tmp_path / "p.txt"
     prompts.write_text("Count from one to ten in words.\nName the days of the week.\n")
     out = tmp_path / "rec.jsonl"
     r = cli("bench", "--prompts", str(prompts), "--methods", "pld;recycle:budget=16", "--dtype", "float32",
             "--max-new-tokens", "24", "--out", str(out), "--warmup", "0")
     assert r.returncode == 0, r.stderr
-    assert "| ar |" in r.stdout and "| recycle:budget=16 |" in r.stdout and "NO (" not in r.stdout
+    assert "| all | ar |" in r.stdout and "| all | recycle:budget=16 |" in r.stdout and "identical" in r.stdout
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(recs) == 6 and {r["label"] for r in recs} == {"ar", "pld", "recycle:budget=16"}
+    md = tmp_path / "report.md"
+    r = cli("report", str(out), "--out", str(md), "--plots", str(tmp_path / "plots"), "--command", "X")
+    assert r.returncode == 0, r.stderr
+    assert "Reproduce: `X`" in md.read_text() and len(list((tmp_path / "plots").glob("*.png"))) == 3
+    out.write_text(out.read_text()[:-40])  # a truncated record fails the check
+    r = cli("report", str(out))
+    assert r.returncode == 1 and "exactness check failed" in r.stderr

@@ -79,55 +79,107 @@ def generate(
 
 @app.command()
 def bench(
-    prompts: str = typer.Option("mtbench", help="Dataset (mtbench, humaneval, gsm8k, mbpp) or a .jsonl/.txt file."),
-    methods: str = typer.Option("ar,pld,recycle", help="Comma-free list separated by ';', e.g. 'ar;pld;recycle:budget=32'. "
-                                "AR is always added as the baseline."),
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
-    dtype: str = typer.Option("bfloat16"),
-    limit: Optional[int] = typer.Option(8, help="Use the first N prompts (after --stride)."),
-    stride: int = typer.Option(1, help="Take every K-th prompt (10 on MT-Bench = one per category)."),
-    max_new_tokens: int = typer.Option(128),
-    temperature: float = typer.Option(0.0),
-    top_p: float = typer.Option(1.0),
-    top_k: int = typer.Option(0),
-    seed: Optional[int] = typer.Option(0),
-    warmup: int = typer.Option(1, help="Warm-up generations per method before timing."),
-    out: Optional[str] = typer.Option(None, help="Append one JSONL record per (prompt, method)."),
-    cache_dir: Optional[str] = typer.Option(None),
+    config: Optional[str] = typer.Option(None, help="TOML config (model, dtype, datasets, methods with sweeps, seeds); "
+                                         "the flags below override it."),
+    prompts: Optional[str] = typer.Option(None, help="Dataset (mtbench, humaneval, mbpp, gsm8k, sharegpt) or a .jsonl/.txt file."),
+    methods: Optional[str] = typer.Option(None, help="';'-separated, e.g. 'pld;recycle:budget=16'. AR is always added."),
+    model: Optional[str] = typer.Option(None, "--model", "-m"),
+    dtype: Optional[str] = typer.Option(None),
+    limit: Optional[int] = typer.Option(None, help="First N prompts (after --stride and --categories)."),
+    stride: Optional[int] = typer.Option(None, help="Take every K-th prompt (10 on MT-Bench = one per category)."),
+    categories: Optional[str] = typer.Option(None, help="Comma-separated categories to keep."),
+    max_turns: Optional[int] = typer.Option(None, help="Cap on turns per conversation (MT-Bench has 2)."),
+    max_new_tokens: Optional[int] = typer.Option(None),
+    temperature: Optional[float] = typer.Option(None),
+    top_p: Optional[float] = typer.Option(None),
+    top_k: Optional[int] = typer.Option(None),
+    seeds: Optional[str] = typer.Option(None, help="Comma-separated seeds, e.g. 0,1,2."),
+    warmup: Optional[int] = typer.Option(None, help="Warm-up generations per method before timing."),
+    score: Optional[bool] = typer.Option(None, help="Score HumanEval/MBPP (sandboxed tests) and GSM8K answers."),
+    out: Optional[str] = typer.Option(None, help="Records file (JSONL, appended; an existing file is resumed). "
+                                      "Default: runs/bench-MODEL-DTYPE.jsonl"),
 ) -> None:
-    """Run methods side by side on the same prompts, interleaved; print MAT and speedup over AR."""
+    """Run methods side by side, interleaved per prompt, AR as the baseline; resumable; prints the report."""
     from rich.progress import Progress
 
-    from .bench import format_table, parse_method, run_bench
-    from .decode import Engine
-    from .prompts import load_prompts
-    from .sampling import SamplingParams
+    from .harness import BenchConfig, expand_methods, parse_method, run_harness
+    from .report import load, markdown
 
-    sampling = SamplingParams(temperature, top_k, top_p, seed)
-    sep = ";" if ";" in methods else ","
-    specs = [parse_method(s) for s in methods.split(sep) if s.strip()]
-    for s in specs:
-        if s.method not in METHODS:
-            raise SpecgraftError(f"unknown method '{s.method}'; choose one of: {', '.join(METHODS)}")
-    if limit is not None and limit < 1:
-        raise SpecgraftError("--limit must be >= 1")
-    if stride < 1:
-        raise SpecgraftError("--stride must be >= 1")
-    items = load_prompts(prompts, limit, stride)
+    cfg = BenchConfig.from_toml(config) if config else BenchConfig()
+    for name, val in (("model", model), ("dtype", dtype), ("max_new_tokens", max_new_tokens), ("warmup", warmup),
+                      ("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("score", score)):
+        if val is not None:
+            setattr(cfg, name, val)
+    if seeds is not None:
+        try:
+            cfg.seeds = [int(x) for x in seeds.split(",") if x.strip()]
+        except ValueError:
+            raise SpecgraftError(f"--seeds must be comma-separated integers, got '{seeds}'") from None
+    if methods is not None:
+        cfg.methods = [parse_method(m) for m in methods.split(";") if m.strip()]
+    if prompts is not None or not config:
+        ds = {"name": prompts or "mtbench"}
+        if prompts is None:
+            ds.update(stride=10, limit=8)
+        cfg.datasets = [ds]
+    for ds in cfg.datasets:
+        for key, val in (("limit", limit), ("stride", stride), ("max_turns", max_turns)):
+            if val is not None:
+                if val < 1:
+                    raise SpecgraftError(f"--{key.replace('_', '-')} must be >= 1")
+                ds[key] = val
+        if categories:
+            ds["categories"] = [c.strip() for c in categories.split(",")]
+    expand_methods(cfg.methods)  # fail on bad methods before loading a model
+    if cfg.max_new_tokens < 1:
+        raise SpecgraftError("--max-new-tokens must be >= 1")
+    out = out or f"runs/bench-{cfg.model.replace('/', '_')}-{cfg.dtype}.jsonl"
     _quiet_transformers()
-    engine = Engine(model, dtype, cache_dir)
-    n_methods = len(specs) + (0 if any(s.method == "ar" for s in specs) else 1)
-    with Progress(transient=True) as bar:
-        task = bar.add_task(f"bench {prompts} ({len(items)} prompts)", total=len(items) * n_methods)
-        result = run_bench(engine, items, specs, sampling, max_new_tokens, warmup, out,
-                           progress=lambda label, pid: bar.update(task, advance=1, description=f"{label} @ {pid}"))
-    info = result["machine"]
-    print(f"model={model} dtype={dtype} prompts={prompts} n={len(items)} stride={stride} max_new_tokens={max_new_tokens} "
-          f"sampling={sampling.to_dict()} commit={info['commit']} threads={info['threads']}")
-    print(format_table(result))
-    bad = {k: v for k, v in result["mismatches"].items() if v}
-    if bad:
-        print(f"error: greedy outputs differ from AR: {bad}", file=sys.stderr)
+    with Progress() as bar:
+        task = bar.add_task("bench", total=None)
+
+        def progress(done, total, what):
+            bar.update(task, completed=done, total=total, description=what)
+
+        res = run_harness(cfg, out, progress=progress, log=lambda m: print(m, file=sys.stderr))
+    print(f"records: {out} ({res['ran']} conversations run, {res['skipped']} resumed)", file=sys.stderr)
+    print(markdown(load([out])))
+
+
+@app.command()
+def report(
+    records: list[str] = typer.Argument(..., help="Records file(s) from `specgraft bench`."),
+    out: Optional[str] = typer.Option(None, help="Write the Markdown report here (default: stdout)."),
+    plots_dir: Optional[str] = typer.Option(None, "--plots", help="Write PNG plots into this directory."),
+    command: Optional[str] = typer.Option(None, help="The command that produced the records, printed at the top."),
+    strict: bool = typer.Option(False, help="Fail on any greedy divergence from AR, bf16 included."),
+) -> None:
+    """Tables per category and overall, the exactness check, and plots. Exit 1 if the check fails."""
+    from pathlib import Path
+
+    from .report import load, markdown, plots
+
+    for r in records:
+        if not Path(r).exists():
+            raise SpecgraftError(f"records file not found: {r}")
+    rep = load(records)
+    if not rep.records:
+        raise SpecgraftError("no complete records in " + ", ".join(records))
+    text = markdown(rep, command)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out + ".tmp").write_text(text, encoding="utf-8")
+        Path(out + ".tmp").replace(out)
+    else:
+        print(text)
+    if plots_dir:
+        for p in plots(rep, plots_dir):
+            print(f"plot: {p}", file=sys.stderr)
+    fp32 = {r["label"] for r in rep.records if r["dtype"] in ("float32", "fp32")}
+    bad = {k: v for k, v in rep.mismatches.items() if v and (strict or k in fp32)}
+    if not rep.ok or bad:
+        problems = rep.problems + rep.missing + [f"{k}: {len(v)} greedy divergence(s) from AR" for k, v in bad.items()]
+        print(f"error: exactness check failed: {problems[0]} ({len(problems)} problem(s))", file=sys.stderr)
         raise typer.Exit(1)
 
 

