@@ -26,7 +26,7 @@ from .tree import Tree
 
 @dataclass
 class VerifyOutput:
-    logits: torch.Tensor  # float32 [W, V]
+    logits: torch.Tensor  # [W, V] in the model dtype (rules upcast where they need to)
     hidden: dict[int, torch.Tensor] | None  # layer index -> [W, H], when asked
 
 
@@ -58,7 +58,7 @@ class TargetBackend:
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        """Cache ``ids: [T]``; return float32 logits ``[T, V]`` (or ``[1, V]`` for the last position)."""
+        """Cache ``ids: [T]``; return logits ``[T, V]`` (or ``[1, V]`` for the last position), model dtype."""
         self.reset()
         out = self.model(
             input_ids=ids.unsqueeze(0),
@@ -67,7 +67,7 @@ class TargetBackend:
             logits_to_keep=0 if all_logits else 1,
         )
         self.prefix_len = int(ids.shape[0])
-        return out.logits[0].float()
+        return out.logits[0]
 
     @torch.inference_mode()
     def verify(self, tree: Tree, hidden_layers: tuple[int, ...] = ()) -> VerifyOutput:
@@ -84,7 +84,7 @@ class TargetBackend:
         hidden = None
         if hidden_layers:
             hidden = {i: out.hidden_states[i][0] for i in hidden_layers}
-        return VerifyOutput(out.logits[0].float(), hidden)
+        return VerifyOutput(out.logits[0], hidden)
 
     @torch.inference_mode()
     def commit(self, accepted: list[int]) -> None:
