@@ -201,11 +201,14 @@ def plots(rep: Report, out_dir: str | Path) -> list[Path]:
     paths = []
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    for label in rep.labels:
-        a = overall[label]
-        ax.scatter(a.mat, speedup(overall["ar"], a, greedy), s=40)
-        ax.annotate(label, (a.mat, speedup(overall["ar"], a, greedy)), fontsize=8, xytext=(4, 4),
-                    textcoords="offset points")
+    pts = sorted((overall[label].mat, speedup(overall["ar"], overall[label], greedy), label) for label in rep.labels)
+    for mat, sp, label in pts:
+        ax.scatter(mat, sp, s=40)
+        ax.annotate(label, (mat, sp), fontsize=8, xytext=(4, 4), textcoords="offset points")
+    # Pareto front: points no other point beats on both MAT and speedup.
+    front = [(m, s) for m, s, _ in pts if not any(m2 >= m and s2 > s or m2 > m and s2 >= s for m2, s2, _ in pts)]
+    ax.plot([m for m, _ in front], [s for _, s in front], color="tab:red", lw=1, alpha=0.6, label="Pareto front")
+    ax.legend(fontsize=8)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("MAT (tokens per target forward, incl. bonus)")
     ax.set_ylabel("speedup vs AR (same run)")
