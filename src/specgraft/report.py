@@ -62,11 +62,11 @@ class Agg:
         return [a / t if t else 0.0 for a, t in zip(self.accepts, self.trials)]
 
 
-def speedup(base: Agg, other: Agg, greedy: bool) -> float:
-    if not other.wall or not base.wall:
+def speedup(base: Agg, other: Agg, greedy: bool = True) -> float:
+    """Per-token time ratio. With identical outputs (greedy, fp32) it equals ``T_AR / T_method``; when
+    outputs differ (sampling, or bf16 near-ties under greedy) it stays fair where the wall ratio would not."""
+    if not other.wall or not base.wall or not other.tokens or not base.tokens:
         return float("nan")
-    if greedy:
-        return base.wall / other.wall
     return (base.wall / base.tokens) / (other.wall / other.tokens)
 
 
@@ -166,8 +166,8 @@ def markdown(rep: Report, command: str | None = None) -> str:
               f"{first['machine']['threads']} threads; versions: {first['versions']}",
               f"- commit(s): {sorted({str(r['commit']) + ('+dirty' if r.get('dirty') else '') for r in recs})}",
               f"- retrieval state: {sorted({r['label'] + '=' + r['retrieval_state'] for r in recs if r['retrieval_state']})}",
-              "- MAT includes the bonus token (AR = 1). Speedup: AR wall time / method wall time on the same "
-              "prompts in the same run" + ("" if greedy else " (per-token, sampling)") + ".", ""]
+              "- MAT includes the bonus token (AR = 1). Speedup: AR time per token / method time per token, on the "
+              "same prompts in the same run (equal to the wall-time ratio when outputs are identical).", ""]
     lines += ["## Overall", ""] + _table(aggregate(recs, rep.labels, lambda r: "all"), rep.labels, greedy)
     lines += ["", "## Per dataset", ""] + _table(aggregate(recs, rep.labels, lambda r: r["dataset"]), rep.labels, greedy)
     lines += ["", "## Per category", ""] + _table(
