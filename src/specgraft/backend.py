@@ -87,6 +87,28 @@ class TargetBackend:
         return VerifyOutput(out.logits[0], hidden)
 
     @torch.inference_mode()
+    def extend(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Append ``n`` speculative nodes after the committed prefix and earlier speculative ones.
+
+        ``visible: bool[n, A + n]`` says which of the ``A`` already appended speculative positions and of
+        the ``n`` new ones each new node attends to (the prefix is always visible). Used by drafters that
+        grow a tree level by level in their own cache; :meth:`truncate` drops the speculation afterwards.
+        """
+        p, n = self.prefix_len, tokens.shape[0]
+        mask = torch.zeros(1, 1, n, self.cache.get_seq_length() + n, dtype=self.dtype)
+        mask[0, 0, :, p:].masked_fill_(~visible, torch.finfo(self.dtype).min)
+        out = self.model(input_ids=tokens.unsqueeze(0), position_ids=positions.unsqueeze(0), attention_mask=mask,
+                         use_cache=True, **{self._cache_kw: self.cache})
+        return out.logits[0]
+
+    def truncate(self, length: int) -> None:
+        """Drop cached positions from ``length`` on (a drafter rolling back its own speculation)."""
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[:, :, :length]
+            layer.values = layer.values[:, :, :length]
+        self.prefix_len = min(self.prefix_len, length)
+
+    @torch.inference_mode()
     def commit(self, accepted: list[int]) -> None:
         """Keep the root and the accepted path (node indices, root first); drop the other tree slots."""
         p, m = self.prefix_len, len(accepted)

@@ -28,8 +28,11 @@ def _quiet_transformers() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def _method_options(method: str, pld_max_ngram, recycle_k, recycle_scope) -> dict:
-    opts = {"pld": {"max_ngram": pld_max_ngram}, "recycle": {"k": recycle_k, "scope": recycle_scope}}.get(method, {})
+def _method_options(method: str, pld_max_ngram, recycle_k, recycle_scope, draft_model, draft_shape, draft_top_k,
+                    draft_depth) -> dict:
+    opts = {"pld": {"max_ngram": pld_max_ngram}, "recycle": {"k": recycle_k, "scope": recycle_scope},
+            "draft": {"model": draft_model, "shape": draft_shape, "top_k": draft_top_k, "depth": draft_depth},
+            }.get(method, {})
     return {k: v for k, v in opts.items() if v is not None}
 
 
@@ -50,6 +53,10 @@ def generate(
     pld_max_ngram: Optional[int] = typer.Option(None, help="pld: longest n-gram to look up."),
     recycle_k: Optional[int] = typer.Option(None, help="recycle: successors per adjacency row."),
     recycle_scope: Optional[str] = typer.Option(None, help="recycle: cold (per prompt) or hot (kept)."),
+    draft_model: Optional[str] = typer.Option(None, help="draft: the draft LM (same tokenizer as the target)."),
+    draft_shape: Optional[str] = typer.Option(None, help="draft: chain (gamma = budget) or tree (top-k, rerank)."),
+    draft_top_k: Optional[int] = typer.Option(None, help="draft tree: children per expanded node."),
+    draft_depth: Optional[int] = typer.Option(None, help="draft tree: expansion levels after the first."),
     cache_dir: Optional[str] = typer.Option(None, help="Where converted models live (default: user cache)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON record instead of streaming text."),
 ) -> None:
@@ -58,7 +65,8 @@ def generate(
     from .sampling import SamplingParams
 
     sampling = SamplingParams(temperature, top_k, top_p, seed)
-    opts = _method_options(method, pld_max_ngram, recycle_k, recycle_scope)
+    opts = _method_options(method, pld_max_ngram, recycle_k, recycle_scope, draft_model, draft_shape, draft_top_k,
+                           draft_depth)
     if method not in METHODS:
         raise SpecgraftError(f"unknown method '{method}'; choose one of: {', '.join(METHODS)}")
     _quiet_transformers()

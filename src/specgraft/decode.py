@@ -46,7 +46,7 @@ def decode_tokens(backend: TargetBackend, drafter: Drafter, prompt_ids: list[int
     remaining = max_new_tokens - 1
     while remaining > 0 and tok not in eos_ids:
         t1 = clock()
-        tree = drafter.propose(DraftContext(ids, budget))
+        tree = drafter.propose(DraftContext(ids, budget, params))
         t2 = clock()
         out = backend.verify(tree)
         t3 = clock()
@@ -131,7 +131,7 @@ class Engine:
         options.pop("budget", None)
         key = (method, tuple(sorted(options.items())))
         if key not in self._drafters:
-            self._drafters[key] = make_drafter(method, self.vocab_size, **options)
+            self._drafters[key] = make_drafter(method, self.vocab_size, self.dtype, **options)
         return self._drafters[key]
 
     def stream(self, prompt: str | list[int], method: str = "ar", *, sampling: SamplingParams | None = None,
@@ -153,7 +153,8 @@ class Engine:
             raise SpecgraftError(f"prompt too long: {len(ids)} tokens + {max_new_tokens} new (+ {budget + 1} tree "
                                  f"slots) exceeds the model's {self.backend.max_positions} positions")
         config = {"model": self.model_name, "dtype": self.dtype, "method": method, "budget": budget,
-                  **{k: v for k, v in DEFAULTS[method].items() if k != "budget"}, **method_options,
+                  **{k: v for k, v in DEFAULTS[method].items() if k != "budget"},
+                  **{k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in method_options.items()},
                   "sampling": sampling.to_dict(), "max_new_tokens": max_new_tokens, "chat": chat,
                   "stop": list(stop)}
         stream = Stream(iter(()))

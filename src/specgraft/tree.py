@@ -46,6 +46,9 @@ class Tree:
     tokens: torch.Tensor  # int64[W]
     parents: torch.Tensor  # int64[W], parents[0] == -1, parents[i] < i
     source: torch.Tensor = field(default=None)  # int8[W]
+    # Chains sampled from a draft distribution carry it: row i (i >= 1) is the q that token i was drawn from,
+    # after the same processing as the target. Deterministic candidates (top-k, retrieval) leave it None.
+    draft_probs: torch.Tensor | None = None  # float[W, V]
 
     def __post_init__(self) -> None:
         validate(self.parents.tolist())
@@ -60,10 +63,16 @@ class Tree:
         return Tree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), src)
 
     @staticmethod
-    def chain(root: int, tokens: list[int], source: int = SOURCE_DRAFT) -> "Tree":
+    def chain(root: int, tokens: list[int], source: int = SOURCE_DRAFT,
+              draft_probs: torch.Tensor | None = None) -> "Tree":
         """A single path ``root -> tokens[0] -> tokens[1] ...`` (PLD, draft chains)."""
         n = len(tokens)
-        return Tree.build([root, *tokens], list(range(-1, n)), [SOURCE_ROOT] + [source] * n)
+        tree = Tree.build([root, *tokens], list(range(-1, n)), [SOURCE_ROOT] + [source] * n)
+        if draft_probs is not None:
+            if draft_probs.shape[0] != n + 1:
+                raise ValueError(f"draft_probs needs {n + 1} rows (root row unused), got {draft_probs.shape[0]}")
+            object.__setattr__(tree, "draft_probs", draft_probs)
+        return tree
 
     @property
     def size(self) -> int:

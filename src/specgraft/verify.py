@@ -124,7 +124,13 @@ def sample_chain(
 def verify_tree(
     tree: Tree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
 ) -> Verdict:
-    """The lossless rule for deterministic-candidate trees under the given sampling settings."""
+    """The lossless rule for the tree under the given sampling settings: greedy matching; chain speculative
+    sampling (``p/q``) for chains that carry the draft distribution they were sampled from; otherwise the
+    q = 1 rule for deterministic candidates."""
     if params.greedy:
         return greedy_tree(tree, logits)
-    return sample_tree(tree, target_probs(logits, params), gen)
+    probs = target_probs(logits, params)
+    if tree.draft_probs is not None and tree.size > 1:
+        n_acc, nxt = sample_chain(tree.tokens[1:], probs, tree.draft_probs[1:], gen)
+        return Verdict(list(range(n_acc + 1)), nxt)
+    return sample_tree(tree, probs, gen)

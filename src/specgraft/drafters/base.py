@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from ..sampling import SamplingParams
 from ..tree import Tree
 from ..verify import Verdict
 
@@ -21,6 +22,7 @@ from ..verify import Verdict
 class DraftContext:
     ids: list[int]  # committed tokens, prompt included; ids[-1] is the root of the next tree
     budget: int  # maximum number of non-root nodes the tree may have
+    sampling: SamplingParams = SamplingParams()  # a drafter that samples must use the same processing
 
 
 class Drafter(Protocol):

@@ -1,0 +1,143 @@
+"""A smaller LM with the same tokenizer drafts a chain of ``gamma`` tokens, one forward per token.
+
+Greedy decoding drafts the argmax chain (verified by matching). Under sampling it draws each token from
+``q`` = the draft's distribution after the *same* processing as the target's and passes ``q`` along, so
+the loop verifies with chain speculative sampling (``min(1, p/q)``, residual ``(p - q)+``).
+
+The draft keeps its own KV cache of the committed prefix (a second :class:`TargetBackend`): each step
+first feeds the tokens it has not seen (the accepted ones and the new root), then drafts; ``observe``
+rolls the cache back to what the target accepted, so nothing is recomputed that is still valid::
+
+    draft cache:  [ prefix | a1 a2 ]        drafted: d1 d2 d3 d4 (d4 never fed)
+    target accepts d1 d2, bonus b  ->  cache rolled back to [ prefix | a1 a2 d1 d2 ], next feed: [ b ]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backend import TargetBackend
+from ..dynamic_tree import expand_topk, rerank
+from ..sampling import make_generator, target_probs
+from ..tree import SOURCE_DRAFT, Tree
+from .base import DraftContext
+
+
+class DraftModelDrafter:
+    name = "draft"
+    needs_prefill_logits = False
+
+    def __init__(self, model: torch.nn.Module, label: str = "custom", shape: str = "chain", top_k: int = 8,
+                 depth: int = 5):
+        if shape not in ("chain", "tree"):
+            raise ValueError(f"draft shape must be 'chain' or 'tree', got {shape!r}")
+        if not (isinstance(top_k, int) and top_k >= 1 and isinstance(depth, int) and depth >= 0):
+            raise ValueError("draft tree needs integer top_k >= 1 and depth >= 0")
+        self.backend = TargetBackend(model)
+        self.label, self.shape, self.top_k, self.depth = label, shape, top_k, depth
+        self.last_confidences: list[float] = []
+        self.cached = 0  # positions of ctx.ids that the draft cache holds
+        self.base = 0  # len(ctx.ids) at the last proposal
+        self.drafted = 0
+        self.gen: torch.Generator | None = None
+        self.forwards = 0
+
+    def start(self, prompt_ids, prefill_logits) -> None:
+        self.backend.prefill(torch.tensor(prompt_ids, dtype=torch.long))
+        self.cached = len(prompt_ids)
+        self.gen = None
+
+    def _feed(self, tokens: list[int]) -> torch.Tensor:
+        out = self.backend.verify(Tree.chain(tokens[0], tokens[1:]))
+        self.backend.commit(list(range(len(tokens))))
+        self.forwards += 1
+        return out.logits[-1]
+
+    def propose(self, ctx: DraftContext) -> Tree:
+        if self.shape == "tree":
+            return self._propose_tree(ctx)
+        gamma = ctx.budget
+        self.base, self.drafted = len(ctx.ids), gamma
+        if gamma <= 0:
+            return Tree.chain(ctx.ids[-1], [])
+        params = ctx.sampling
+        if not params.greedy and self.gen is None:
+            # The draft's randomness is its own, independent of the verifier's (seeded for reproducibility).
+            self.gen = make_generator(None if params.seed is None else params.seed + 7919)
+        logits = self._feed(ctx.ids[self.cached:])
+        drafts, qs = [], []
+        for i in range(gamma):
+            if params.greedy:
+                x = int(logits.argmax())
+            else:
+                q = target_probs(logits, params)
+                x = int(torch.multinomial(q, 1, generator=self.gen))
+                qs.append(q)
+            drafts.append(x)
+            if i < gamma - 1:
+                logits = self._feed([x])
+        self.cached = self.base + gamma - 1
+        probs = None
+        if qs:
+            probs = torch.cat([torch.zeros_like(qs[0]).unsqueeze(0), torch.stack(qs)])
+        return Tree.chain(ctx.ids[-1], drafts, SOURCE_DRAFT, draft_probs=probs)
+
+    def _propose_tree(self, ctx: DraftContext) -> Tree:
+        """EAGLE-2-style dynamic tree from the draft model: beam by cumulative log-prob, global rerank.
+
+        Candidates are deterministic (top-k), so the tree is verified with the q = 1 rule at any temperature.
+        """
+        self.base, self.drafted = len(ctx.ids), 0
+        root_logits = self._feed(ctx.ids[self.cached:])
+        self.cached = self.base
+        if ctx.budget <= 0:
+            return Tree.chain(ctx.ids[-1], [])
+        fed: dict[int, int] = {}  # candidate index -> its slot among the appended speculative positions
+        state = {"tokens": [], "parents": []}
+
+        def expand(frontier: list[int]) -> torch.Tensor:
+            toks, pars = state["tokens"], state["parents"]
+            slots = [len(fed) + j for j in range(len(frontier))]
+            width = len(fed) + len(frontier)
+            visible = torch.zeros(len(frontier), width, dtype=torch.bool)
+            depth = []
+            for j, f in enumerate(frontier):
+                visible[j, slots[j]] = True
+                d, a = 1, pars[f]
+                while a != -1:
+                    visible[j, fed[a]] = True
+                    d, a = d + 1, pars[a]
+                depth.append(d)
+            for j, f in enumerate(frontier):
+                fed[f] = slots[j]
+            logits = self.backend.extend(torch.tensor([toks[f] for f in frontier]),
+                                         torch.tensor(depth) + self.backend.prefix_len, visible)
+            self.forwards += 1
+            logp = torch.log_softmax(logits.float(), -1)
+            top = torch.topk(logp, self.top_k, dim=-1).indices
+            for j, f in enumerate(frontier):  # mirror the candidates expand_topk appends next
+                toks.extend(top[j].tolist())
+                pars.extend([f] * self.top_k)
+            return logp
+
+        first = torch.log_softmax(root_logits.float(), -1)
+        state["tokens"] = torch.topk(first, self.top_k).indices.tolist()
+        state["parents"] = [-1] * self.top_k
+        cands = expand_topk(first, expand, self.top_k, self.depth)
+        self.last_confidences = cands.level_best
+        tokens, parents, _ = rerank(cands, ctx.budget)
+        self.backend.truncate(self.base)
+        return Tree.build([ctx.ids[-1], *tokens], [-1, *parents], [0] + [SOURCE_DRAFT] * len(tokens))
+
+    def observe(self, tree, logits, verdict) -> None:
+        if self.shape == "tree":
+            return  # the speculation was already dropped; accepted tokens are fed next step
+        keep = self.base + min(verdict.accept_length, self.drafted - 1)
+        self.backend.truncate(keep)
+        self.cached = keep
+
+    def describe(self) -> dict:
+        d = {"method": self.name, "draft_model": self.label, "shape": self.shape}
+        if self.shape == "tree":
+            d.update(top_k=self.top_k, depth=self.depth)
+        return d
