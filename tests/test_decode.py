@@ -75,21 +75,30 @@ class DuplicateDrafter:
         return {"method": self.name}
 
 
+def exact_ar_joint(model, prompt: list[int], params: SamplingParams, vocab: int) -> dict:
+    """P(first three new tokens) under AR sampling, by enumeration on a tiny vocabulary."""
+    exact = {}
+    with torch.no_grad():
+        def probs(ids):
+            return target_probs(model(input_ids=torch.tensor([ids])).logits[0, -1], params)
+
+        p1 = probs(prompt)
+        for t1 in range(vocab):
+            p2 = probs(prompt + [t1])
+            for t2 in range(vocab):
+                p3 = probs(prompt + [t1, t2])
+                for t3 in range(vocab):
+                    exact[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
+    return exact
+
+
 def test_sampling_through_the_loop_matches_ar_enumeration():
     """Tokens 2-3 come from one tree step; their joint (given token 1) must equal AR's exact one."""
     vocab = 6
     model = tiny_llama(vocab=vocab, scale=3.0, seed=3)
     params = SamplingParams(temperature=0.9, top_k=5)
     prompt = [1, 2, 3, 1, 2]
-    exact = {}
-    with torch.no_grad():
-        p1 = target_probs(model(input_ids=torch.tensor([prompt])).logits[0, -1], params)
-        for t1 in range(vocab):
-            p2 = target_probs(model(input_ids=torch.tensor([prompt + [t1]])).logits[0, -1], params)
-            for t2 in range(vocab):
-                p3 = target_probs(model(input_ids=torch.tensor([prompt + [t1, t2]])).logits[0, -1], params)
-                for t3 in range(vocab):
-                    exact[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
+    exact = exact_ar_joint(model, prompt, params, vocab)
     backend = TargetBackend(model)
     for drafter in (DuplicateDrafter(vocab), make_drafter("recycle", vocab, scope="hot")):
         n = 5000

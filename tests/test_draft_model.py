@@ -6,10 +6,10 @@ import torch
 from specgraft.backend import TargetBackend
 from specgraft.drafters import make_drafter
 from specgraft.errors import SpecgraftError
-from specgraft.sampling import SamplingParams, target_probs
+from specgraft.sampling import SamplingParams
 
 from .conftest import tiny_llama
-from .test_decode import run
+from .test_decode import exact_ar_joint, run
 from .test_verify import assert_matches
 
 
@@ -32,15 +32,7 @@ def test_chain_sampling_through_the_loop_matches_ar():
     target = tiny_llama(vocab=vocab, scale=3.0, seed=3)
     params = SamplingParams(temperature=0.9, top_k=5, seed=0)
     prompt = [1, 2, 3, 1, 2]
-    exact = {}
-    with torch.no_grad():
-        p1 = target_probs(target(input_ids=torch.tensor([prompt])).logits[0, -1], params)
-        for t1 in range(vocab):
-            p2 = target_probs(target(input_ids=torch.tensor([prompt + [t1]])).logits[0, -1], params)
-            for t2 in range(vocab):
-                p3 = target_probs(target(input_ids=torch.tensor([prompt + [t1, t2]])).logits[0, -1], params)
-                for t3 in range(vocab):
-                    exact[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
+    exact = exact_ar_joint(target, prompt, params, vocab)
     backend = TargetBackend(target)
     drafter = make_drafter("draft", vocab, model=tiny_llama(vocab=vocab, scale=3.0, seed=11))
     n = 5000

@@ -213,10 +213,7 @@ def plots(rep: Report, out_dir: str | Path) -> list[Path]:
     ax.set_xlabel("MAT (tokens per target forward, incl. bonus)")
     ax.set_ylabel("speedup vs AR (same run)")
     ax.set_title("Speedup vs MAT")
-    paths.append(out_dir / "speedup_vs_mat.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out_dir / "speedup_vs_mat.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for label in rep.labels[1:]:
@@ -228,10 +225,7 @@ def plots(rep: Report, out_dir: str | Path) -> list[Path]:
     ax.set_ylim(0, 1)
     ax.set_title("Acceptance by depth")
     ax.legend(fontsize=8)
-    paths.append(out_dir / "acceptance_by_depth.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out_dir / "acceptance_by_depth.png"))
 
     cats = aggregate(rep.records, rep.labels, lambda r: f"{r['dataset']}/{r['category']}")
     names = sorted(cats)
@@ -246,8 +240,12 @@ def plots(rep: Report, out_dir: str | Path) -> list[Path]:
     ax.set_ylabel("speedup vs AR")
     ax.set_title("Speedup by category")
     ax.legend(fontsize=8)
-    paths.append(out_dir / "speedup_by_category.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out_dir / "speedup_by_category.png"))
     return paths
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
