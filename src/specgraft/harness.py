@@ -182,19 +182,11 @@ def repair_for_resume(path: str | Path) -> tuple[set, int]:
     return keys, dropped
 
 
-def conversation_ids(engine, messages: list[dict]) -> list[int]:
-    tok = engine.tokenizer
-    if getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tok(text, add_special_tokens=False).input_ids
-    return tok("\n\n".join(m["content"] for m in messages)).input_ids
-
-
 def run_conversation(engine, item: Item, spec: MethodSpec, sampling: SamplingParams, max_new_tokens: int):
     messages, out = [], []
     for turn in item.turns:
         messages.append({"role": "user", "content": turn})
-        g = engine.generate(conversation_ids(engine, messages), spec.method, sampling=sampling,
+        g = engine.generate(messages, spec.method, sampling=sampling,
                             max_new_tokens=max_new_tokens, **spec.options)
         messages.append({"role": "assistant", "content": g.text})
         out.append(g)

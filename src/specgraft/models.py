@@ -74,19 +74,23 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def package_file(dist_name: str, suffix: str) -> Path | None:
+    """The first file of an installed distribution whose path ends with ``suffix``; None if not installed.
+
+    Raises when the package is installed but lacks the file (a broken install)."""
+    try:
+        dist = md.distribution(dist_name)
+    except md.PackageNotFoundError:
+        return None
+    found = [f for f in (dist.files or []) if str(f).endswith(suffix)]
+    if not found:
+        raise SpecgraftError(f"package {dist_name} is installed but holds no '{suffix}' file; reinstall it")
+    return Path(dist.locate_file(found[0]))
+
+
 def _package_files(spec: ModelSpec) -> list[Path]:
-    files, missing = [], []
-    for req in spec.packages:
-        dist_name = req.split("==")[0]
-        try:
-            dist = md.distribution(dist_name)
-        except md.PackageNotFoundError:
-            missing.append(req)
-            continue
-        found = [f for f in (dist.files or []) if str(f).endswith(spec.suffix)]
-        if not found:
-            raise SpecgraftError(f"package {dist_name} is installed but holds no '{spec.suffix}' file; reinstall it")
-        files.append(Path(dist.locate_file(found[0])))
+    files = [package_file(req.split("==")[0], spec.suffix) for req in spec.packages]
+    missing = [req for req, f in zip(spec.packages, files) if f is None]
     if missing:
         raise SpecgraftError(f"model '{spec.name}' needs package(s) not installed ({len(missing)} missing, "
                              f"first: {missing[0]}); run: {spec.install_hint}")

@@ -51,7 +51,7 @@ class Tree:
     draft_probs: torch.Tensor | None = None  # float[W, V]
 
     def __post_init__(self) -> None:
-        validate(self.parents.tolist())
+        validate(self.parent_list)
         if self.source is None:
             src = torch.full_like(self.tokens, SOURCE_DRAFT, dtype=torch.int8)
             src[0] = SOURCE_ROOT
