@@ -24,6 +24,11 @@ def cli(*args, timeout=300):
     (["bench", "--methods", "ar;nope"], "unknown method 'nope'"),
     (["bench", "--seeds", "a,b"], "--seeds must be comma-separated integers"),
     (["report", "no-such-file.jsonl"], "records file not found"),
+    (["generate", "hi", "--method", "eagle", "--head", "/no/such/head"], "head '/no/such/head' not found"),
+    (["generate", "hi", "--method", "eagle", "--eagle-top-k", "0"], "eagle needs integer 1 <= top_k"),
+    (["train-head", "--out", "/tmp/x", "--ttt-steps", "0"], "--ttt-steps must be >= 1"),
+    (["train-head", "--out", "/tmp/x", "--data", "/no/such.jsonl"], "dataset file not found"),
+    (["train-head", "--out", "/tmp/x", "--device", "tpu"], "--device tpu is not available"),
 ])
 def test_bad_input_one_line_error(args, message):
     r = cli(*args)

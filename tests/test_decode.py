@@ -25,6 +25,16 @@ def run(backend, drafter, prompt, params, n, budget, seed=0, eos=frozenset()):
     return out, stats
 
 
+def sample_counts(backend, drafter, prompt, params, budget, n=5000, length=3) -> dict:
+    """Counts of the first ``length`` tokens over ``n`` seeded runs through the loop (seed i for run i)."""
+    counts: dict = {}
+    for i in range(n):
+        p = SamplingParams(params.temperature, params.top_k, params.top_p, seed=i)
+        out, _ = run(backend, drafter, prompt, p, length, budget, seed=i)
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+    return counts
+
+
 def test_greedy_equality_all_drafters_tiny():
     model = tiny_llama(vocab=16, scale=4.0)  # sharper distributions: longer repeats, real acceptances
     backend = TargetBackend(model)
@@ -56,19 +66,20 @@ class DuplicateDrafter:
 
     name = "dup-test"
     needs_prefill_logits = False
+    hidden_layers = ()
 
     def __init__(self, vocab, seed=0):
         self.rng = np.random.default_rng(seed)
         self.vocab = vocab
 
-    def start(self, prompt_ids, prefill_logits):
+    def start(self, prompt_ids, prefill_logits, prefill_hidden=None):
         pass
 
     def propose(self, ctx: DraftContext) -> Tree:
         a, b, c = (int(x) for x in self.rng.integers(0, self.vocab, 3))
         return Tree.build([ctx.ids[-1], a, a, b, c, c, a], [-1, 0, 0, 0, 1, 1, 4])
 
-    def observe(self, tree, logits, verdict):
+    def observe(self, tree, logits, verdict, hidden=None):
         pass
 
     def describe(self):
@@ -102,8 +113,5 @@ def test_sampling_through_the_loop_matches_ar_enumeration():
     backend = TargetBackend(model)
     for drafter in (DuplicateDrafter(vocab), make_drafter("recycle", vocab, scope="hot")):
         n = 5000
-        counts: dict = {}
-        for i in range(n):
-            out, _ = run(backend, drafter, prompt, params, 3, 8, seed=i)
-            counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+        counts = sample_counts(backend, drafter, prompt, params, 8, n)
         assert_matches(counts, exact, n, drafter.name)

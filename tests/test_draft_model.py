@@ -9,7 +9,7 @@ from specgraft.errors import SpecgraftError
 from specgraft.sampling import SamplingParams
 
 from .conftest import tiny_llama
-from .test_decode import exact_ar_joint, run
+from .test_decode import exact_ar_joint, run, sample_counts
 from .test_verify import assert_matches
 
 
@@ -36,10 +36,7 @@ def test_chain_sampling_through_the_loop_matches_ar():
     backend = TargetBackend(target)
     drafter = make_drafter("draft", vocab, model=tiny_llama(vocab=vocab, scale=3.0, seed=11))
     n = 5000
-    counts: dict = {}
-    for i in range(n):
-        out, _ = run(backend, drafter, prompt, SamplingParams(0.9, 5, 1.0, seed=i), 3, 3, seed=i)
-        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+    counts = sample_counts(backend, drafter, prompt, params, 3, n)
     assert_matches(counts, exact, n, "draft chain")
 
 

@@ -18,7 +18,11 @@ PROMPTS = [
     "Translate to French: 'The library opens at nine and closes at five on weekdays.'",
     "Write a SQL query that lists the ten customers with the highest total order value, and explain it.",
 ]
-METHODS = [("pld", {}), ("recycle", {}), ("recycle", {"budget": 16}), ("recycle", {"scope": "hot"})]
+METHODS = [("pld", {}), ("recycle", {}), ("recycle", {"budget": 16}), ("recycle", {"scope": "hot"}),
+           ("eagle", {}), ("eagle", {"budget": 15})]  # eagle: the head committed in src/specgraft/heads
+
+
+EAGLE_MIN_MAT = 1.5
 
 
 @pytest.mark.slow
@@ -40,6 +44,8 @@ def test_lossless_methods_equal_ar_greedy_fp32(smollm2_engine):
     assert ties <= 2 and exact >= len(PROMPTS) * len(METHODS) - 2
     # Retrieval must actually accept tokens on real text: fewer verification steps than AR's.
     assert all(s < tokens for s in steps.values()), steps
+    # The trained head drafts what the target says: far fewer steps than AR (MAT well above 1).
+    assert tokens / steps["eagle{}"] > EAGLE_MIN_MAT, steps
 
 
 @pytest.mark.slow
@@ -82,3 +88,15 @@ def test_bad_inputs_on_real_engine(smollm2_engine):
         smollm2_engine.generate("hi", "ar", max_new_tokens=0)
     with pytest.raises(SpecgraftError, match="no option"):
         smollm2_engine.generate("hi", "pld", k=3)
+
+
+@pytest.mark.slow
+def test_hf_assisted_reference_matches_ar(smollm2_engine):
+    """transformers' assisted generation, with the target itself as assistant: AR output, MAT well above 1."""
+    engine = smollm2_engine
+    ref = engine.generate(PROMPTS[0], "ar", max_new_tokens=48)
+    g = engine.generate(PROMPTS[0], "hf_assisted", max_new_tokens=48, model="smollm2-135m")
+    assert_greedy_equal(engine, ref, g, "hf_assisted")
+    assert g.stats.mat > 3 and g.config["drafter"] == {"method": "hf_assisted"}
+    with pytest.raises(SpecgraftError, match="stop strings"):
+        engine.generate(PROMPTS[0], "hf_assisted", max_new_tokens=8, stop=("x",), model="smollm2-135m")

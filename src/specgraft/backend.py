@@ -57,17 +57,19 @@ class TargetBackend:
         self.prefix_len = 0
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        """Cache ``ids: [T]``; return logits ``[T, V]`` (or ``[1, V]`` for the last position), model dtype."""
+    def prefill(self, ids: torch.Tensor, all_logits: bool = False, hidden_layers: tuple[int, ...] = ()) -> VerifyOutput:
+        """Cache ``ids: [T]``; logits ``[T, V]`` (or ``[1, V]``: the last position), hidden states ``[T, H]``."""
         self.reset()
         out = self.model(
             input_ids=ids.unsqueeze(0),
             use_cache=True,
             **{self._cache_kw: self.cache},
             logits_to_keep=0 if all_logits else 1,
+            output_hidden_states=bool(hidden_layers),
         )
         self.prefix_len = int(ids.shape[0])
-        return out.logits[0]
+        hidden = {i: out.hidden_states[i][0] for i in hidden_layers} if hidden_layers else None
+        return VerifyOutput(out.logits[0], hidden)
 
     @torch.inference_mode()
     def verify(self, tree: Tree, hidden_layers: tuple[int, ...] = ()) -> VerifyOutput:

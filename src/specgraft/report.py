@@ -134,7 +134,7 @@ def aggregate(records: list[dict], labels: list[str], group) -> dict:
 
 
 def _table(groups: dict, labels: list[str], greedy: bool) -> list[str]:
-    lines = ["| group | method | turns | tokens | tok/s | speedup vs AR | MAT | alpha by depth (1..4) | mean nodes "
+    lines = ["| group | method | turns | tokens | tok/s | speedup vs AR | MAT | alpha by depth (1..6) | mean nodes "
              "| prefill / draft / verify / other (s) | quality |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for g, aggs in groups.items():
         base = aggs.get("ar")
@@ -143,7 +143,7 @@ def _table(groups: dict, labels: list[str], greedy: bool) -> list[str]:
             if a is None or a.n == 0:
                 continue
             sp = speedup(base, a, greedy) if base else float("nan")
-            alpha = ", ".join(f"{x:.2f}" for x in a.alpha[:4]) or "-"
+            alpha = ", ".join(f"{x:.2f}" for x in a.alpha[:6]) or "-"
             q = f"{sum(a.quality) / len(a.quality):.3f} (n={len(a.quality)})" if a.quality else "-"
             lines.append(f"| {g} | {label} | {a.n} | {a.tokens} | {a.tokens / a.wall:.2f} | {sp:.2f}x | {a.mat:.2f} | "
                          f"{alpha} | {a.nodes / max(a.steps, 1):.1f} | {a.prefill:.1f} / {a.draft:.1f} / "

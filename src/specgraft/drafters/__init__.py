@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..errors import SpecgraftError
 from .base import DraftContext, Drafter, NoDraft
 from .draft_model import DraftModelDrafter
+from .eagle import EagleDrafter
 from .pld import PromptLookup
 from .recycling import TokenRecycling
 
@@ -14,12 +15,20 @@ DEFAULTS: dict[str, dict] = {
     "pld": {"budget": 10, "max_ngram": 3},
     "recycle": {"budget": 80, "k": 8, "scope": "cold"},
     "draft": {"budget": 4, "model": "qwen2.5-coder-0.5b", "shape": "chain", "top_k": 8, "depth": 5},
+    # EAGLE-3: 60 verified tokens incl. the root, depth 7 (depth 5 is EAGLE-2's and under-drafts, EAGLE#209).
+    "eagle": {"budget": 59, "head": "auto", "top_k": 10, "depth": 7},
+    # Outside reference, not a drafter: transformers' assisted generation with a draft model (reference.py).
+    "hf_assisted": {"budget": 0, "model": "qwen2.5-coder-0.5b"},
 }
 METHODS = tuple(DEFAULTS)
 
 
-def make_drafter(method: str, vocab_size: int, dtype: str = "float32", **options) -> Drafter:
-    """Build a drafter; ``options`` override ``DEFAULTS[method]`` (``budget`` is the loop's, not the drafter's)."""
+def make_drafter(method: str, vocab_size: int, dtype: str = "float32", target=None, target_name: str = "custom",
+                 **options) -> Drafter:
+    """Build a drafter; ``options`` override ``DEFAULTS[method]`` (``budget`` is the loop's, not the drafter's).
+
+    ``target`` (the HF model) and ``target_name`` are needed by drafters bound to the target (EAGLE heads).
+    """
     if method not in DEFAULTS:
         raise SpecgraftError(f"unknown method '{method}'; choose one of: {', '.join(METHODS)}")
     unknown = set(options) - set(DEFAULTS[method])
@@ -29,10 +38,14 @@ def make_drafter(method: str, vocab_size: int, dtype: str = "float32", **options
     try:
         if method == "ar":
             return NoDraft()
+        if method == "hf_assisted":
+            raise SpecgraftError("hf_assisted runs transformers' own loop; use Engine.generate, not a drafter")
         if method == "pld":
             return PromptLookup(max_ngram=opts["max_ngram"])
         if method == "draft":
             return _draft_model(opts["model"], vocab_size, dtype, opts["shape"], opts["top_k"], opts["depth"])
+        if method == "eagle":
+            return _eagle(opts["head"], target, target_name, opts["top_k"], opts["depth"])
         return TokenRecycling(vocab_size, k=opts["k"], scope=opts["scope"])
     except (ValueError, TypeError) as err:
         raise SpecgraftError(str(err)) from err
@@ -54,5 +67,30 @@ def _draft_model(model, vocab_size: int, dtype: str, shape: str, top_k: int, dep
     return DraftModelDrafter(model, label, shape, top_k, depth)
 
 
-__all__ = ["DraftModelDrafter", "DEFAULTS", "METHODS", "DraftContext", "Drafter", "NoDraft", "PromptLookup", "TokenRecycling",
+def shipped_head(target_name: str):
+    """The head committed for a registry model (``src/specgraft/heads/<name>``), or None."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "heads" / target_name
+    return path if (path / "config.json").exists() else None
+
+
+def _eagle(head, target, target_name: str, top_k: int, depth: int) -> EagleDrafter:
+    """``head``: "auto" (the head shipped for the target), a checkpoint directory, or a loaded head (tests)."""
+    from ..head import Eagle3Head
+    from ..head_io import load_head
+
+    if target is None:
+        raise SpecgraftError("method 'eagle' needs the target model (use Engine.drafter)")
+    if isinstance(head, Eagle3Head):
+        return EagleDrafter(head, "custom", top_k, depth)
+    path = shipped_head(target_name) if head == "auto" else head
+    if path is None:
+        raise SpecgraftError(f"no EAGLE-3 head ships for model '{target_name}'; pass --opt head=DIR or train one "
+                             "with `specgraft train-head`")
+    return EagleDrafter(load_head(path, target), str(head if head != "auto" else f"auto ({target_name})"), top_k,
+                        depth)
+
+
+__all__ = ["DraftModelDrafter", "EagleDrafter", "DEFAULTS", "METHODS", "DraftContext", "Drafter", "NoDraft", "PromptLookup", "TokenRecycling",
            "make_drafter"]

@@ -30,11 +30,16 @@ class Drafter(Protocol):
     # Whether ``start`` wants logits at every prompt position (costs an lm_head over the prompt).
     needs_prefill_logits: bool
 
-    def start(self, prompt_ids: list[int], prefill_logits: torch.Tensor | None) -> None: ...
+    # Target hidden-state layers the drafter reads at prefill and at every verified node (EAGLE heads).
+    hidden_layers: tuple[int, ...]
+
+    def start(self, prompt_ids: list[int], prefill_logits: torch.Tensor | None,
+              prefill_hidden: dict[int, torch.Tensor] | None = None) -> None: ...
 
     def propose(self, ctx: DraftContext) -> Tree: ...
 
-    def observe(self, tree: Tree, logits: torch.Tensor, verdict: Verdict) -> None: ...
+    def observe(self, tree: Tree, logits: torch.Tensor, verdict: Verdict,
+                hidden: dict[int, torch.Tensor] | None = None) -> None: ...
 
     def describe(self) -> dict:
         """Configuration and state for records: method parameters, retrieval scope and state."""
@@ -46,14 +51,15 @@ class NoDraft:
 
     name = "ar"
     needs_prefill_logits = False
+    hidden_layers = ()
 
-    def start(self, prompt_ids, prefill_logits) -> None:
+    def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
         pass
 
     def propose(self, ctx: DraftContext) -> Tree:
         return Tree.chain(ctx.ids[-1], [])
 
-    def observe(self, tree, logits, verdict) -> None:
+    def observe(self, tree, logits, verdict, hidden=None) -> None:
         pass
 
     def describe(self) -> dict:

@@ -26,6 +26,7 @@ from .base import DraftContext
 class DraftModelDrafter:
     name = "draft"
     needs_prefill_logits = False
+    hidden_layers = ()
 
     def __init__(self, model: torch.nn.Module, label: str = "custom", shape: str = "chain", top_k: int = 8,
                  depth: int = 5):
@@ -42,7 +43,7 @@ class DraftModelDrafter:
         self.gen: torch.Generator | None = None
         self.forwards = 0
 
-    def start(self, prompt_ids, prefill_logits) -> None:
+    def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
         self.backend.prefill(torch.tensor(prompt_ids, dtype=torch.long))
         self.cached = len(prompt_ids)
         self.gen = None
@@ -129,7 +130,7 @@ class DraftModelDrafter:
         self.backend.truncate(self.base)
         return Tree.build([ctx.ids[-1], *tokens], [-1, *parents], [0] + [SOURCE_DRAFT] * len(tokens))
 
-    def observe(self, tree, logits, verdict) -> None:
+    def observe(self, tree, logits, verdict, hidden=None) -> None:
         if self.shape == "tree":
             return  # the speculation was already dropped; accepted tokens are fed next step
         keep = self.base + min(verdict.accept_length, self.drafted - 1)

@@ -33,6 +33,7 @@ def pld_candidates(ids: np.ndarray, max_ngram: int = 3, num_pred: int = 10) -> l
 class PromptLookup:
     name = "pld"
     needs_prefill_logits = False
+    hidden_layers = ()
 
     """The number of predicted tokens is the loop's node budget (default 10)."""
 
@@ -41,7 +42,7 @@ class PromptLookup:
             raise ValueError(f"pld needs an integer max_ngram >= 1, got {max_ngram!r}")
         self.max_ngram = max_ngram
 
-    def start(self, prompt_ids, prefill_logits) -> None:
+    def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
         pass
 
     def propose(self, ctx: DraftContext) -> Tree:
@@ -49,7 +50,7 @@ class PromptLookup:
         cands = pld_candidates(np.asarray(ctx.ids), self.max_ngram, n) if n > 0 else []
         return Tree.chain(ctx.ids[-1], cands, SOURCE_PLD)
 
-    def observe(self, tree, logits, verdict) -> None:
+    def observe(self, tree, logits, verdict, hidden=None) -> None:
         pass
 
     def describe(self) -> dict:

@@ -107,6 +107,7 @@ class TokenRecycling:
 
     name = "recycle"
     needs_prefill_logits = True
+    hidden_layers = ()
 
     def __init__(self, vocab_size: int, k: int = 8, scope: str = "cold",
                  template: tuple[tuple[int, ...], ...] = TEMPLATE_222):
@@ -119,7 +120,7 @@ class TokenRecycling:
         self.parents, self.ranks, self.depths = compile_template(template)
         self.requests = 0
 
-    def start(self, prompt_ids, prefill_logits) -> None:
+    def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
         if self.scope == "cold":
             self.matrix.clear()
         self.requests += 1
@@ -130,7 +131,7 @@ class TokenRecycling:
         n = min(len(self.parents), ctx.budget + 1)
         return self.matrix.materialize(ctx.ids[-1], self.parents[:n], self.ranks[:n], self.depths[:n])
 
-    def observe(self, tree: Tree, logits: torch.Tensor, verdict) -> None:
+    def observe(self, tree: Tree, logits: torch.Tensor, verdict, hidden=None) -> None:
         self.matrix.update(tree.tokens, logits)
 
     def describe(self) -> dict:

@@ -1,0 +1,121 @@
+"""EAGLE-3 dynamic-tree drafter: the head drafts a tree by beam expansion + global rerank (EAGLE-2/3).
+
+Each step, in the head's own KV cache (positions = pair positions, see :mod:`specgraft.head`)::
+
+    committed:  pairs (f_t, x_{t+1}) for t < N-1        (target features of accepted tokens, fused by fc)
+    extend:     the new pairs since the last step       -> h_last; level 0 = topk(lm_head(norm(h_last)))
+    expand x depth: frontier nodes (k of them), feature = the parent's head output, position = N-2+depth,
+                each attends to the committed pairs and its speculative ancestors
+    rerank:     best ``budget`` of k + depth*k^2 candidates by cumulative log-prob  -> tree
+
+The speculative keys are dropped after drafting; ``observe`` takes the target's hidden states at the
+accepted nodes (root first) as the features of the next extend. Candidates are deterministic, so trees are
+verified with the q = 1 rule at any temperature.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..dynamic_tree import expand_topk, rerank
+from ..head import Eagle3Head
+from ..tree import SOURCE_DRAFT, Tree
+from .base import DraftContext
+
+
+class EagleDrafter:
+    name = "eagle"
+    needs_prefill_logits = False
+
+    def __init__(self, head: Eagle3Head, label: str = "custom", top_k: int = 10, depth: int = 7):
+        if not (isinstance(top_k, int) and 1 <= top_k <= head.config.draft_vocab_size
+                and isinstance(depth, int) and depth >= 0):
+            raise ValueError(f"eagle needs integer 1 <= top_k <= {head.config.draft_vocab_size} and depth >= 0")
+        self.head, self.label, self.top_k, self.depth = head, label, top_k, depth
+        self.hidden_layers = tuple(head.config.target_layers)
+        self.keys: torch.Tensor | None = None  # [1, nkv, S, d] committed pairs
+        self.values: torch.Tensor | None = None
+        self.pending: torch.Tensor | None = None  # [m, 3H] target features not yet fed
+        self.last_confidences: list[float] = []
+
+    def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
+        self.keys = self.values = None
+        self.pending = self._features(prefill_hidden, slice(None))
+
+    def _features(self, hidden: dict[int, torch.Tensor], rows) -> torch.Tensor:
+        return torch.cat([hidden[i][rows] for i in self.hidden_layers], -1)
+
+    @property
+    def committed(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext) -> Tree:
+        head, n = self.head, self.committed
+        new_tokens = torch.tensor(ctx.ids[n + 1 :])
+        if new_tokens.numel() != self.pending.shape[0]:
+            raise AssertionError(f"eagle: {self.pending.shape[0]} features for {new_tokens.numel()} new tokens")
+        pos = torch.arange(n, n + new_tokens.numel())
+        h, (k, v) = head.step(head.fc(self.pending).unsqueeze(0), new_tokens.unsqueeze(0), pos.unsqueeze(0),
+                              None if self.keys is None else (self.keys, self.values), None)
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], 2)
+        self.values = v if self.values is None else torch.cat([self.values, v], 2)
+        self.pending = None
+        if ctx.budget <= 0:
+            return Tree.chain(ctx.ids[-1], [])
+        h_last, base = h[0, -1], self.committed  # base = N - 1: the position of level-0 nodes
+        spec_k: list[torch.Tensor] = []
+        spec_v: list[torch.Tensor] = []
+        outs: dict[int, torch.Tensor] = {}  # candidate -> its head output (the feature of its children)
+        slot: dict[int, int] = {}  # candidate -> index among the speculative keys
+        cand_tokens: list[int] = []  # target ids, mirrored from expand_topk's candidate list
+        cand_parents: list[int] = []
+
+        def children(logp: torch.Tensor, parents: list[int]) -> None:
+            top = head.to_target(torch.topk(logp, self.top_k, dim=-1).indices)
+            for row, par in enumerate(parents):
+                cand_tokens.extend(top[row].tolist())
+                cand_parents.extend([par] * self.top_k)
+
+        def expand(frontier: list[int]) -> torch.Tensor:
+            feats, depth = [], []
+            A, f = len(slot), len(frontier)
+            bias = torch.zeros(1, 1, f, base + A + f, dtype=h.dtype)
+            hidden = torch.full((f, A + f), True)
+            for j, c in enumerate(frontier):
+                par = cand_parents[c]
+                feats.append(h_last if par == -1 else outs[par])
+                d, a = 1, par
+                hidden[j, A + j] = False
+                while a != -1:
+                    hidden[j, slot[a]] = False
+                    d, a = d + 1, cand_parents[a]
+                depth.append(d)
+            bias[0, 0, :, base:].masked_fill_(hidden, float("-inf"))
+            past = (torch.cat([self.keys, *spec_k], 2), torch.cat([self.values, *spec_v], 2))
+            toks = torch.tensor([cand_tokens[c] for c in frontier])
+            out, (k2, v2) = head.step(torch.stack(feats).unsqueeze(0), toks.unsqueeze(0),
+                                      (torch.tensor(depth) + base - 1).unsqueeze(0), past, bias)
+            spec_k.append(k2)
+            spec_v.append(v2)
+            for j, c in enumerate(frontier):
+                slot[c], outs[c] = A + j, out[0, j]
+            logp = torch.log_softmax(head.logits(out[0]).float(), -1)
+            children(logp, frontier)
+            return logp
+
+        first = torch.log_softmax(head.logits(h_last).float(), -1)
+        children(first.unsqueeze(0), [-1])
+        cands = expand_topk(first, expand, self.top_k, self.depth)
+        self.last_confidences = cands.level_best
+        tokens, parents, kept = rerank(cands, ctx.budget)
+        tokens = [cand_tokens[i] for i in kept]  # expand_topk saw draft ids; the tree holds target ids
+        return Tree.build([ctx.ids[-1], *tokens], [-1, *parents], [0] + [SOURCE_DRAFT] * len(tokens))
+
+    def observe(self, tree, logits, verdict, hidden=None) -> None:
+        self.pending = self._features(hidden, torch.tensor(verdict.accepted))
+
+    def describe(self) -> dict:
+        c = self.head.config
+        return {"method": self.name, "head": self.label, "top_k": self.top_k, "depth": self.depth,
+                "draft_vocab": c.draft_vocab_size, "head_intermediate": c.intermediate_size}

@@ -1,0 +1,66 @@
+"""Outside reference: transformers' own assisted generation (``generate(assistant_model=...)``).
+
+Not one of our drafters: it runs HF's loop (its draft length heuristic, its cache) on the same prompts,
+so a benchmark can show where our draft-model drafter stands against the library users already have.
+Steps are counted with a forward hook on the target (one call = one verification, prefill excluded), so
+MAT = new tokens / steps is comparable with ours.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .errors import SpecgraftError
+from .sampling import SamplingParams
+from .stats import Stats
+
+DEFAULT = {"budget": 0, "model": "qwen2.5-coder-0.5b"}
+_ASSISTANTS: dict[tuple, torch.nn.Module] = {}
+
+
+def _assistant(name: str, dtype: str, vocab_size: int):
+    from .models import load
+
+    key = (name, dtype)
+    if key not in _ASSISTANTS:
+        model, _ = load(name, dtype)
+        if int(model.get_output_embeddings().weight.shape[0]) != vocab_size:
+            raise SpecgraftError(f"assistant '{name}' does not share the target's vocabulary")
+        _ASSISTANTS[key] = model
+    return _ASSISTANTS[key]
+
+
+@torch.inference_mode()
+def hf_assisted(engine, ids: list[int], sampling: SamplingParams, max_new_tokens: int, model: str):
+    """Greedy or sampled ``generate`` with the assistant; returns ``(token_ids, Stats)``."""
+    target = engine.backend.model
+    assistant = _assistant(model, engine.dtype, engine.vocab_size)
+    calls = []
+    hook = target.register_forward_hook(lambda *a: calls.append(1))
+    # Override the model's generation_config (Qwen's ships sampling defaults and repetition_penalty=1.1),
+    # so that HF runs the same decoding problem as we do.
+    kw = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
+    if sampling.greedy:
+        kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        kw.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                  top_k=sampling.top_k or None)
+    if not sampling.greedy and sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
+    t0 = time.perf_counter()
+    try:
+        out = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              assistant_model=assistant, max_new_tokens=max_new_tokens,
+                              eos_token_id=sorted(engine.eos_ids), pad_token_id=sorted(engine.eos_ids)[0], **kw)
+    finally:
+        hook.remove()
+    stats = Stats(method="hf_assisted")
+    stats.total_s = time.perf_counter() - t0
+    new = out[0, len(ids):].tolist()
+    stats.new_tokens = len(new)
+    steps = max(1, len(calls) - 1)  # the first call is the prefill
+    stats.steps = steps
+    stats.committed = [round((len(new) - 1) / steps, 4)] * steps if len(new) > 1 else []
+    return new, stats
