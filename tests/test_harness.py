@@ -18,7 +18,7 @@ def test_expand_methods_sweeps_and_adds_ar():
     assert [s.label for s in specs] == ["ar", "recycle:budget=16,scope=hot", "recycle:budget=80,scope=hot", "pld"]
     assert parse_method("recycle:budget=16,scope=hot") == {"name": "recycle", "budget": 16, "scope": "hot"}
     with pytest.raises(SpecgraftError, match="unknown method"):
-        expand_methods([{"name": "eagle"}])
+        expand_methods([{"name": "medusa"}])
     with pytest.raises(SpecgraftError, match="no option"):
         expand_methods([{"name": "pld", "k": 3}])
 

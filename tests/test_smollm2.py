@@ -40,8 +40,9 @@ def test_lossless_methods_equal_ar_greedy_fp32(smollm2_engine):
             ties += tie
             exact += not tie
             steps[method + str(opts)] += g.stats.steps
-    # Exact ties are rare: nearly every run must be identical to AR outright.
-    assert ties <= 2 and exact >= len(PROMPTS) * len(METHODS) - 2
+    # Exact ties are rare: nearly every run must be identical to AR outright. The set has one known exact tie
+    # (SQL prompt, token 121: 23.4104 vs 23.4104) that any method may hit, hence one per method at most.
+    assert ties <= len(METHODS) and exact >= len(PROMPTS) * len(METHODS) - len(METHODS)
     # Retrieval must actually accept tokens on real text: fewer verification steps than AR's.
     assert all(s < tokens for s in steps.values()), steps
     # The trained head drafts what the target says: far fewer steps than AR (MAT well above 1).

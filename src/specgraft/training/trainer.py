@@ -172,7 +172,7 @@ def train(target, features_dir: Path, out_dir: Path, cfg: TrainConfig, resume: b
                     continue
                 tokens = int(conv["ids"].shape[0])
                 (loss * tokens / cfg.batch_tokens).backward()
-                loss_sum, loss_n = loss_sum + float(loss), loss_n + 1
+                loss_sum, loss_n = loss_sum + float(loss.detach()), loss_n + 1
                 batch_tok += tokens
                 prog["tokens_seen"] += tokens
                 prog["conv_in_epoch"] = convs_done
