@@ -91,12 +91,12 @@ class Attention(nn.Module):
         s = torch.matmul(q.reshape(B, -1, g * Tq, d), k.transpose(-1, -2)) * d ** -0.5
         return s.view(B, nh, Tq, -1)
 
-    def mix(self, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``[B, nh, Tq, Tk] x [B, nkv, Tk, d] -> [B, Tq, nh*d]`` then ``o_proj``."""
+    def weighted(self, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``[B, nh, Tq, Tk] x [B, nkv, Tk, d] -> [B, Tq, nh*d]`` (before ``o_proj``)."""
         g = self.c.num_attention_heads // self.c.num_key_value_heads
         B, nh, Tq, Tk = p.shape
         out = torch.matmul(p.reshape(B, -1, g * Tq, Tk), v).view(B, nh, Tq, -1)
-        return self.o_proj(out.transpose(1, 2).reshape(B, Tq, -1))
+        return out.transpose(1, 2).reshape(B, Tq, -1)
 
 
 class MLP(nn.Module):
@@ -166,14 +166,18 @@ class Eagle3Head(nn.Module):
         attn = self.midlayer.self_attn
         x = self.midlayer.inputs(feat, self.embed_tokens(tokens))
         q, k, v = attn.qkv(x, positions)
-        keys = k if past is None else torch.cat([past[0], k], 2)
-        vals = v if past is None else torch.cat([past[1], v], 2)
-        T, S = q.shape[2], keys.shape[2] - q.shape[2]
+        T, S = q.shape[2], 0 if past is None else past[0].shape[2]
         if bias is None:
             bias = torch.zeros(T, S + T, dtype=q.dtype, device=q.device)
             bias[:, S:] = torch.full((T, T), float("-inf"), device=q.device).triu(1)
-        p = torch.softmax((attn.scores(q, keys) + bias).float(), -1).to(q.dtype)
-        return self.midlayer.finish(feat, attn.mix(p, vals)), (k, v)
+        # Scores against the cached keys and the new ones are joined, not the keys themselves: no copy of
+        # the cache per call (the drafter's cache is a view of a buffer written by position).
+        scores = attn.scores(q, k) if past is None else torch.cat([attn.scores(q, past[0]), attn.scores(q, k)], -1)
+        p = torch.softmax((scores + bias).float(), -1).to(q.dtype)
+        mixed = attn.weighted(p[..., S:], v)
+        if past is not None:
+            mixed = mixed + attn.weighted(p[..., :S].contiguous(), past[1])
+        return self.midlayer.finish(feat, attn.o_proj(mixed)), (k, v)
 
 
 def parameter_count(head: Eagle3Head) -> int:

@@ -33,39 +33,49 @@ class EagleDrafter:
             raise ValueError(f"eagle needs integer 1 <= top_k <= {head.config.draft_vocab_size} and depth >= 0")
         self.head, self.label, self.top_k, self.depth = head, label, top_k, depth
         self.hidden_layers = tuple(head.config.target_layers)
-        self.keys: torch.Tensor | None = None  # [1, nkv, S, d] committed pairs
-        self.values: torch.Tensor | None = None
+        # KV buffers [1, nkv, capacity, d] written by position: committed pairs first, then this step's
+        # speculative nodes (overwritten next step); views of them are the head's cache.
+        self.kbuf: torch.Tensor | None = None
+        self.vbuf: torch.Tensor | None = None
+        self.n = 0  # committed pairs
         self.pending: torch.Tensor | None = None  # [m, 3H] target features not yet fed
         self.last_confidences: list[float] = []
 
     def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
-        self.keys = self.values = None
+        self.n = 0
         self.pending = self._features(prefill_hidden, slice(None))
 
     def _features(self, hidden: dict[int, torch.Tensor], rows) -> torch.Tensor:
         return torch.cat([hidden[i][rows] for i in self.hidden_layers], -1)
 
-    @property
-    def committed(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+    def _write(self, at: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        need = at + k.shape[2]
+        if self.kbuf is None or self.kbuf.shape[2] < need:  # grow geometrically: amortised O(1) per pair
+            cap = max(256, 2 * need)
+            kb, vb = k.new_empty(*k.shape[:2], cap, k.shape[3]), v.new_empty(*v.shape[:2], cap, v.shape[3])
+            if self.kbuf is not None:
+                kb[:, :, :at], vb[:, :, :at] = self.kbuf[:, :, :at], self.vbuf[:, :, :at]
+            self.kbuf, self.vbuf = kb, vb
+        self.kbuf[:, :, at:need], self.vbuf[:, :, at:need] = k, v
+
+    def _past(self, length: int):
+        return None if length == 0 else (self.kbuf[:, :, :length], self.vbuf[:, :, :length])
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> Tree:
-        head, n = self.head, self.committed
+        head, n = self.head, self.n
         new_tokens = torch.tensor(ctx.ids[n + 1 :])
         if new_tokens.numel() != self.pending.shape[0]:
             raise AssertionError(f"eagle: {self.pending.shape[0]} features for {new_tokens.numel()} new tokens")
         pos = torch.arange(n, n + new_tokens.numel())
         h, (k, v) = head.step(head.fc(self.pending).unsqueeze(0), new_tokens.unsqueeze(0), pos.unsqueeze(0),
-                              None if self.keys is None else (self.keys, self.values), None)
-        self.keys = k if self.keys is None else torch.cat([self.keys, k], 2)
-        self.values = v if self.values is None else torch.cat([self.values, v], 2)
+                              self._past(n), None)
+        self._write(n, k, v)
+        self.n = n + new_tokens.numel()
         self.pending = None
         if ctx.budget <= 0:
             return Tree.chain(ctx.ids[-1], [])
-        h_last, base = h[0, -1], self.committed  # base = N - 1: the position of level-0 nodes
-        spec_k: list[torch.Tensor] = []
-        spec_v: list[torch.Tensor] = []
+        h_last, base = h[0, -1], self.n  # base = N - 1: the position of level-0 nodes
         outs: dict[int, torch.Tensor] = {}  # candidate -> its head output (the feature of its children)
         slot: dict[int, int] = {}  # candidate -> index among the speculative keys
         cand_tokens: list[int] = []  # target ids, mirrored from expand_topk's candidate list
@@ -92,12 +102,10 @@ class EagleDrafter:
                     d, a = d + 1, cand_parents[a]
                 depth.append(d)
             bias[0, 0, :, base:].masked_fill_(hidden, float("-inf"))
-            past = (torch.cat([self.keys, *spec_k], 2), torch.cat([self.values, *spec_v], 2))
             toks = torch.tensor([cand_tokens[c] for c in frontier])
             out, (k2, v2) = head.step(torch.stack(feats).unsqueeze(0), toks.unsqueeze(0),
-                                      (torch.tensor(depth) + base - 1).unsqueeze(0), past, bias)
-            spec_k.append(k2)
-            spec_v.append(v2)
+                                      (torch.tensor(depth) + base - 1).unsqueeze(0), self._past(base + A), bias)
+            self._write(base + A, k2, v2)
             for j, c in enumerate(frontier):
                 slot[c], outs[c] = A + j, out[0, j]
             logp = torch.log_softmax(head.logits(out[0]).float(), -1)
