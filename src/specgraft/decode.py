@@ -118,6 +118,7 @@ class Engine:
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_ids = {int(e) for e in [*eos, tok.eos_token_id] if e is not None}
         self._drafters: dict[tuple, Drafter] = {}
+        self._auto: dict[tuple, tuple[int, dict]] = {}
 
     def encode(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
         """A user message, or a whole conversation (``[{"role", "content"}, ...]``), as prompt token ids."""
@@ -143,6 +144,15 @@ class Engine:
                                                target_name=self.model_name, **options)
         return self._drafters[key]
 
+    def auto_budget(self, method: str, options: dict) -> tuple[int, dict]:
+        """``budget="auto"``: resolved once per method and options (autotune.py), then cached."""
+        from .autotune import auto_budget
+
+        key = ("auto", method, tuple(sorted((k, str(v)) for k, v in options.items())))
+        if key not in self._auto:
+            self._auto[key] = auto_budget(self, method, options)
+        return self._auto[key]
+
     def stream(self, prompt: str | list[dict] | list[int], method: str = "ar", *, sampling: SamplingParams | None = None,
                max_new_tokens: int = 128, stop: tuple[str, ...] = (), chat: bool = True,
                budget: int | None = None, **method_options) -> Stream:
@@ -152,8 +162,11 @@ class Engine:
             raise SpecgraftError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         drafter = self.drafter(method, **method_options)
         budget = DEFAULTS[method]["budget"] if budget is None else budget
-        if budget < 0:
-            raise SpecgraftError(f"budget must be >= 0, got {budget}")
+        auto = None
+        if budget == "auto":
+            budget, auto = self.auto_budget(method, method_options)
+        if not isinstance(budget, int) or budget < 0:
+            raise SpecgraftError(f"budget must be an integer >= 0 or 'auto', got {budget!r}")
         is_ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
         ids = list(prompt) if is_ids else self.encode(prompt, chat)
         if not ids:
@@ -166,7 +179,7 @@ class Engine:
                   **{k: v for k, v in DEFAULTS[method].items() if k != "budget"},
                   **{k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in method_options.items()},
                   "sampling": sampling.to_dict(), "max_new_tokens": max_new_tokens, "chat": chat,
-                  "stop": list(stop)}
+                  "stop": list(stop), **({"budget_auto": auto} if auto else {})}
         stream = Stream(iter(()))
         if drafter is None:
             if stop:

@@ -15,6 +15,10 @@ are broken by generation order, which puts parents first.
 The model is abstracted as ``expand(frontier) -> logp``: given candidate indices of the frontier, return
 their next-token log-probabilities ``[len(frontier), V]``. The head drafter and the draft-model drafter
 each implement it with their own forward pass.
+
+A *gate* (a pruning policy, :mod:`specgraft.pruning`) may stop the expansion after any level: it sees the
+level, the frontier's cumulative log-probs and the log-prob row that produced the best frontier node; on
+``True`` no further draft forward runs and ``Candidates.stopped_at`` records the level.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from typing import Callable
 
 import torch
 
+from .tree import SOURCE_DRAFT, Tree
+
 
 @dataclass(frozen=True)
 class Candidates:
@@ -31,16 +37,24 @@ class Candidates:
     parents: list[int]  # candidate index, -1 = the root
     scores: list[float]  # cumulative log-probabilities
     level_best: list[float]  # best cumulative probability per level (checkpoint confidences c_l)
+    stopped_at: int | None = None  # the level at which a gate stopped the expansion
+    levels: list[int] | None = None  # level of each candidate (0 = the root's children)
+
+
+Gate = Callable[[int, torch.Tensor, torch.Tensor], bool]  # (level, frontier scores [f], best's logp row [V])
 
 
 def expand_topk(first_logp: torch.Tensor, expand: Callable[[list[int]], torch.Tensor], top_k: int,
-                depth: int) -> Candidates:
-    """Level 0 from ``first_logp`` ``[V]``, then ``depth`` expansions of the best ``top_k`` frontier."""
+                depth: int, gate: Gate | None = None) -> Candidates:
+    """Level 0 from ``first_logp`` ``[V]``, then up to ``depth`` expansions of the best ``top_k`` frontier."""
     vals, ids = torch.topk(first_logp.float(), top_k)
     tokens, parents, scores = ids.tolist(), [-1] * top_k, vals.tolist()
+    levels = [0] * top_k
     frontier = list(range(top_k))
     level_best = [float(vals[0].exp())]
-    for _ in range(depth):
+    if gate is not None and gate(0, vals, first_logp):
+        return Candidates(tokens, parents, scores, level_best, 0, levels)
+    for level in range(1, depth + 1):
         logp = expand(frontier).float()
         cv, ci = torch.topk(logp, top_k, dim=-1)  # [f, k]
         cum = cv + torch.tensor([scores[f] for f in frontier]).unsqueeze(1)
@@ -49,10 +63,13 @@ def expand_topk(first_logp: torch.Tensor, expand: Callable[[list[int]], torch.Te
             tokens.extend(ci[row].tolist())
             parents.extend([f] * top_k)
             scores.extend(cum[row].tolist())
-        best = torch.topk(cum.flatten(), min(top_k, cum.numel())).indices.tolist()
-        frontier = [start + b for b in best]
-        level_best.append(float(cum.max().exp()))
-    return Candidates(tokens, parents, scores, level_best)
+        levels.extend([level] * cum.numel())
+        top = torch.topk(cum.flatten(), min(top_k, cum.numel()))
+        frontier = [start + b for b in top.indices.tolist()]
+        level_best.append(float(top.values[0].exp()))
+        if gate is not None and gate(level, top.values, logp[int(top.indices[0]) // top_k]):
+            return Candidates(tokens, parents, scores, level_best, level, levels)
+    return Candidates(tokens, parents, scores, level_best, None, levels)
 
 
 def rerank(c: Candidates, budget: int) -> tuple[list[int], list[int], list[int]]:
@@ -72,3 +89,11 @@ def rerank(c: Candidates, budget: int) -> tuple[list[int], list[int], list[int]]
             raise AssertionError("rerank produced a selection that is not prefix-closed")
         parents.append(0 if p == -1 else pos[p])
     return tokens, parents, kept
+
+
+def candidates_tree(ctx, cands: Candidates | None, budget: int) -> Tree:
+    """The dense dynamic tree: root ``ctx.ids[-1]`` plus the best ``budget`` candidates (none: the root alone)."""
+    if cands is None or budget <= 0:
+        return Tree.chain(ctx.ids[-1], [])
+    tokens, parents, _ = rerank(cands, budget)
+    return Tree.build([ctx.ids[-1], *tokens], [-1, *parents], [0] + [SOURCE_DRAFT] * len(tokens))

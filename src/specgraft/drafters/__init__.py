@@ -17,6 +17,15 @@ DEFAULTS: dict[str, dict] = {
     "draft": {"budget": 4, "model": "qwen2.5-coder-0.5b", "shape": "chain", "top_k": 8, "depth": 5},
     # EAGLE-3: 60 verified tokens incl. the root, depth 7 (depth 5 is EAGLE-2's and under-drafts, EAGLE#209).
     "eagle": {"budget": 59, "head": "auto", "top_k": 10, "depth": 7},
+    # Graft (lossless): prune at calibrated checkpoints, fill freed slots from the matrix. drafter: eagle,
+    # draft-tree or draft-chain; variant: graft | fixed | root | batch (trees), tail (chains); "auto" top_k /
+    # depth = the inner drafter's defaults; calibration: "auto" (beside the head), "none" or a directory.
+    "graft": {"budget": 60, "drafter": "eagle", "variant": "graft", "head": "auto", "model": "qwen2.5-coder-0.5b",
+              "top_k": "auto", "depth": "auto", "k": 8, "scope": "request", "dedup": "merge",
+              "calibration": "auto"},
+    # Pruning only (no retrieval): echo (Graft's calibrated gate), ddd, svip; param overrides ddd/svip's level.
+    "prune": {"budget": 60, "drafter": "eagle", "policy": "echo", "param": "auto", "head": "auto",
+              "model": "qwen2.5-coder-0.5b", "top_k": "auto", "depth": "auto", "calibration": "auto"},
     # Outside reference, not a drafter: transformers' assisted generation with a draft model (reference.py).
     "hf_assisted": {"budget": 0, "model": "qwen2.5-coder-0.5b"},
 }
@@ -46,6 +55,8 @@ def make_drafter(method: str, vocab_size: int, dtype: str = "float32", target=No
             return _draft_model(opts["model"], vocab_size, dtype, opts["shape"], opts["top_k"], opts["depth"])
         if method == "eagle":
             return _eagle(opts["head"], target, target_name, opts["top_k"], opts["depth"])
+        if method in ("graft", "prune"):
+            return _graft(method, opts, vocab_size, dtype, target, target_name)
         return TokenRecycling(vocab_size, k=opts["k"], scope=opts["scope"])
     except (ValueError, TypeError) as err:
         raise SpecgraftError(str(err)) from err
@@ -90,6 +101,72 @@ def _eagle(head, target, target_name: str, top_k: int, depth: int) -> EagleDraft
                              "with `specgraft train-head`")
     return EagleDrafter(load_head(path, target), str(head if head != "auto" else f"auto ({target_name})"), top_k,
                         depth)
+
+
+INNER_KINDS = ("eagle", "draft-tree", "draft-chain")
+
+
+def _inner(opts: dict, vocab_size: int, dtype: str, target, target_name: str):
+    kind = opts["drafter"]
+    if kind not in INNER_KINDS:
+        raise SpecgraftError(f"unknown drafter '{kind}' for {opts.get('variant', 'prune')}; choose one of: "
+                             f"{', '.join(INNER_KINDS)}")
+    if kind == "eagle":
+        d = DEFAULTS["eagle"]
+        return _eagle(opts["head"], target, target_name, d["top_k"] if opts["top_k"] == "auto" else opts["top_k"],
+                      d["depth"] if opts["depth"] == "auto" else opts["depth"])
+    d = DEFAULTS["draft"]
+    return _draft_model(opts["model"], vocab_size, dtype, kind.split("-")[1],
+                        d["top_k"] if opts["top_k"] == "auto" else opts["top_k"],
+                        d["depth"] if opts["depth"] == "auto" else opts["depth"])
+
+
+def calibration_dir(opts: dict, target_name: str):
+    """Where ``specgraft calibrate`` writes and Graft reads: ``<head dir>/graft-<drafter>`` (the shipped head's
+    directory for draft models too), else the user cache."""
+    from pathlib import Path
+
+    from ..models import cache_root
+
+    kind = opts["drafter"]
+    base = None
+    if kind == "eagle" and opts.get("head", "auto") != "auto" and isinstance(opts["head"], (str, Path)):
+        base = Path(opts["head"])
+    elif shipped_head(target_name) is not None:
+        base = shipped_head(target_name)
+    if base is None:
+        base = cache_root() / "graft" / target_name
+    return base / f"graft-{kind}"
+
+
+def _graft(method: str, opts: dict, vocab_size: int, dtype: str, target, target_name: str):
+    from pathlib import Path
+
+    from ..calibration import Calibration
+    from ..pruning import make_policy
+    from .graft import GraftDrafter
+
+    inner = _inner(opts, vocab_size, dtype, target, target_name)
+    cal, where = None, "fallback"
+    if opts["calibration"] != "none":
+        path = calibration_dir(opts, target_name) if opts["calibration"] == "auto" else Path(opts["calibration"])
+        if (path / "calibration.json").exists():
+            cal, where = Calibration.load(path), str(path)
+        elif opts["calibration"] != "auto":
+            raise SpecgraftError(f"no calibration in {path} (run `specgraft calibrate`)")
+    thresholds = cal.thresholds if cal else None
+    if method == "prune":
+        param = None if opts["param"] == "auto" else float(opts["param"])
+        policy = make_policy(opts["policy"], thresholds, param)
+        return GraftDrafter(inner, vocab_size, "prune", policy, name=f"prune-{opts['policy']}", calibration=where,
+                            tau_tail=cal.tau_tail if cal else 0.1)
+    k = int(opts["k"])
+    snapshot = cal.snapshot if cal is not None and cal.snapshot is not None and int(cal.snapshot["succ"].shape[1]) == k \
+        else None
+    return GraftDrafter(inner, vocab_size, opts["variant"], make_policy("echo", thresholds), k=k,
+                        scope=opts["scope"], snapshot=snapshot, dedup=opts["dedup"],
+                        tau_tail=cal.tau_tail if cal else 0.1, rank_weights=cal.rank_weights if cal else None,
+                        calibration=where)
 
 
 __all__ = ["DraftModelDrafter", "EagleDrafter", "DEFAULTS", "METHODS", "DraftContext", "Drafter", "NoDraft", "PromptLookup", "TokenRecycling",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import TargetBackend
-from ..dynamic_tree import expand_topk, rerank
+from ..dynamic_tree import Candidates, Gate, candidates_tree, expand_topk
 from ..sampling import make_generator, target_probs
 from ..tree import SOURCE_DRAFT, Tree
 from .base import DraftContext
@@ -56,43 +56,57 @@ class DraftModelDrafter:
 
     def propose(self, ctx: DraftContext) -> Tree:
         if self.shape == "tree":
-            return self._propose_tree(ctx)
-        gamma = ctx.budget
-        self.base, self.drafted = len(ctx.ids), gamma
+            return candidates_tree(ctx, self.draft(ctx), ctx.budget)
+        drafts, probs, _ = self.chain(ctx, ctx.budget)
+        return Tree.chain(ctx.ids[-1], drafts, SOURCE_DRAFT, draft_probs=probs)
+
+    def chain(self, ctx: DraftContext, gamma: int, tau: float | None = None
+              ) -> tuple[list[int], torch.Tensor | None, list[float]]:
+        """Draft up to ``gamma`` tokens; with ``tau``, stop before the first token whose cumulative draft
+        probability ``prod q_i(y_i)`` falls below it (at least one token is kept).
+
+        Returns the tokens, their ``q`` rows (sampling; row 0 for the root, zeros) and the cumulative
+        probabilities of the kept tokens.
+        """
+        self.base, self.drafted = len(ctx.ids), 0
         if gamma <= 0:
-            return Tree.chain(ctx.ids[-1], [])
+            return [], None, []
         params = ctx.sampling
         if not params.greedy and self.gen is None:
             # The draft's randomness is its own, independent of the verifier's (seeded for reproducibility).
             self.gen = make_generator(None if params.seed is None else params.seed + 7919)
         logits = self._feed(ctx.ids[self.cached:])
-        drafts, qs = [], []
+        drafts, qs, cum, c = [], [], [], 1.0
         for i in range(gamma):
-            if params.greedy:
-                x = int(logits.argmax())
-            else:
-                q = target_probs(logits, params)
-                x = int(torch.multinomial(q, 1, generator=self.gen))
-                qs.append(q)
+            q = target_probs(logits, params) if not params.greedy else torch.softmax(logits.float(), -1)
+            x = int(logits.argmax()) if params.greedy else int(torch.multinomial(q, 1, generator=self.gen))
+            c *= float(q[x])
+            if tau is not None and drafts and c < tau:
+                break
             drafts.append(x)
+            cum.append(c)
+            if not params.greedy:
+                qs.append(q)
             if i < gamma - 1:
                 logits = self._feed([x])
-        self.cached = self.base + gamma - 1
+        if tau is not None and len(drafts) < gamma:
+            self.backend.truncate(self.base + len(drafts) - 1)  # the last kept token was fed; drop it
+        self.drafted = len(drafts)
+        self.cached = self.base + len(drafts) - 1
         probs = None
         if qs:
             probs = torch.cat([torch.zeros_like(qs[0]).unsqueeze(0), torch.stack(qs)])
-        return Tree.chain(ctx.ids[-1], drafts, SOURCE_DRAFT, draft_probs=probs)
+        return drafts, probs, cum
 
-    def _propose_tree(self, ctx: DraftContext) -> Tree:
-        """EAGLE-2-style dynamic tree from the draft model: beam by cumulative log-prob, global rerank.
-
-        Candidates are deterministic (top-k), so the tree is verified with the q = 1 rule at any temperature.
+    def draft(self, ctx: DraftContext, gate: Gate | None = None) -> Candidates | None:
+        """EAGLE-2-style dynamic tree from the draft model: beam by cumulative log-prob (``gate`` may stop
+        it early). Candidates are deterministic (top-k), so trees are verified with the q = 1 rule.
         """
         self.base, self.drafted = len(ctx.ids), 0
         root_logits = self._feed(ctx.ids[self.cached:])
         self.cached = self.base
         if ctx.budget <= 0:
-            return Tree.chain(ctx.ids[-1], [])
+            return None
         fed: dict[int, int] = {}  # candidate index -> its slot among the appended speculative positions
         state = {"tokens": [], "parents": []}
 
@@ -124,11 +138,10 @@ class DraftModelDrafter:
         first = torch.log_softmax(root_logits.float(), -1)
         state["tokens"] = torch.topk(first, self.top_k).indices.tolist()
         state["parents"] = [-1] * self.top_k
-        cands = expand_topk(first, expand, self.top_k, self.depth)
+        cands = expand_topk(first, expand, self.top_k, self.depth, gate)
         self.last_confidences = cands.level_best
-        tokens, parents, _ = rerank(cands, ctx.budget)
         self.backend.truncate(self.base)
-        return Tree.build([ctx.ids[-1], *tokens], [-1, *parents], [0] + [SOURCE_DRAFT] * len(tokens))
+        return cands
 
     def observe(self, tree, logits, verdict, hidden=None) -> None:
         if self.shape == "tree":

@@ -15,11 +15,13 @@ verified with the q = 1 rule at any temperature.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from ..dynamic_tree import expand_topk, rerank
+from ..dynamic_tree import Candidates, Gate, candidates_tree, expand_topk
 from ..head import Eagle3Head
-from ..tree import SOURCE_DRAFT, Tree
+from ..tree import Tree
 from .base import DraftContext
 
 
@@ -61,8 +63,12 @@ class EagleDrafter:
     def _past(self, length: int):
         return None if length == 0 else (self.kbuf[:, :, :length], self.vbuf[:, :, :length])
 
-    @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> Tree:
+        return candidates_tree(ctx, self.draft(ctx), ctx.budget)
+
+    @torch.inference_mode()
+    def draft(self, ctx: DraftContext, gate: Gate | None = None) -> Candidates | None:
+        """Feed the pending features, then expand (``gate`` may stop early); candidates hold target ids."""
         head, n = self.head, self.n
         new_tokens = torch.tensor(ctx.ids[n + 1 :])
         if new_tokens.numel() != self.pending.shape[0]:
@@ -74,7 +80,7 @@ class EagleDrafter:
         self.n = n + new_tokens.numel()
         self.pending = None
         if ctx.budget <= 0:
-            return Tree.chain(ctx.ids[-1], [])
+            return None
         h_last, base = h[0, -1], self.n  # base = N - 1: the position of level-0 nodes
         outs: dict[int, torch.Tensor] = {}  # candidate -> its head output (the feature of its children)
         slot: dict[int, int] = {}  # candidate -> index among the speculative keys
@@ -114,11 +120,10 @@ class EagleDrafter:
 
         first = torch.log_softmax(head.logits(h_last).float(), -1)
         children(first.unsqueeze(0), [-1])
-        cands = expand_topk(first, expand, self.top_k, self.depth)
+        cands = expand_topk(first, expand, self.top_k, self.depth, gate)
         self.last_confidences = cands.level_best
-        tokens, parents, kept = rerank(cands, ctx.budget)
-        tokens = [cand_tokens[i] for i in kept]  # expand_topk saw draft ids; the tree holds target ids
-        return Tree.build([ctx.ids[-1], *tokens], [-1, *parents], [0] + [SOURCE_DRAFT] * len(tokens))
+        # expand_topk saw draft-vocabulary ids; the tree holds target ids.
+        return replace(cands, tokens=cand_tokens[: len(cands.tokens)])
 
     def observe(self, tree, logits, verdict, hidden=None) -> None:
         self.pending = self._features(hidden, torch.tensor(verdict.accepted))

@@ -80,8 +80,8 @@ class AdjacencyMatrix:
         top = torch.topk(logits.index_select(0, idx), k, dim=-1).indices
         self.table[tokens[idx], :k] = top
 
-    def materialize(self, root: int, parents: np.ndarray, ranks: np.ndarray, depths: np.ndarray) -> Tree:
-        """One gather per template level; nodes under a cold row (or rank >= k) are dropped."""
+    def gather(self, root: int, parents: np.ndarray, ranks: np.ndarray, depths: np.ndarray) -> torch.Tensor:
+        """Template node tokens, one gather per level; ``-1`` under a cold row (or rank >= k), and below it."""
         n = len(parents)
         toks = torch.full((n,), -1, dtype=torch.long)
         toks[0] = root
@@ -93,6 +93,12 @@ class AdjacencyMatrix:
             ptok = toks[par_t[level]]
             got = self.table[ptok.clamp(min=0), rank_t[level]]
             toks[level] = torch.where((ptok >= 0) & rank_ok[level], got, -1)
+        return toks
+
+    def materialize(self, root: int, parents: np.ndarray, ranks: np.ndarray, depths: np.ndarray) -> Tree:
+        """The template as a tree; nodes under a cold row (or rank >= k) are dropped with their subtree."""
+        toks = self.gather(root, parents, ranks, depths)
+        n = len(parents)
         keep = np.flatnonzero(toks.numpy() >= 0)  # a dropped node's descendants are dropped too
         remap = np.full(n, -1)
         remap[keep] = np.arange(len(keep))
@@ -100,6 +106,24 @@ class AdjacencyMatrix:
         source = np.full(len(keep), SOURCE_RETRIEVAL, dtype=np.int8)
         source[0] = SOURCE_ROOT
         return Tree(toks[torch.from_numpy(keep)], torch.from_numpy(new_par), torch.from_numpy(source))
+
+    @property
+    def populated_bytes(self) -> int:
+        """Storage of the populated rows at int32 (how the Graft paper reports matrix size)."""
+        return self.rows_filled * self.k * 4
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """The populated rows only (``rows`` int32[n], ``succ`` int32[n, k]): small enough to ship."""
+        rows = torch.nonzero(self.table[:, 0] >= 0).flatten()
+        return {"rows": rows.to(torch.int32), "succ": self.table[rows].to(torch.int32)}
+
+    def load_snapshot(self, snap: dict[str, torch.Tensor]) -> None:
+        self.clear()
+        rows, succ = snap["rows"].long(), snap["succ"].long()
+        if succ.shape[1] != self.k or (rows.numel() and int(rows.max()) >= self.table.shape[0]):
+            raise ValueError(f"matrix snapshot has k={succ.shape[1]} and rows up to {int(rows.max(initial=0))}; "
+                             f"this matrix has k={self.k} and {self.table.shape[0]} rows")
+        self.table[rows] = succ
 
 
 class TokenRecycling:
