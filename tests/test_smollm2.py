@@ -101,3 +101,34 @@ def test_hf_assisted_reference_matches_ar(smollm2_engine):
     assert g.stats.mat > 3 and g.config["drafter"] == {"method": "hf_assisted"}
     with pytest.raises(SpecgraftError, match="stop strings"):
         engine.generate(PROMPTS[0], "hf_assisted", max_new_tokens=8, stop=("x",), model="smollm2-135m")
+
+
+# Graft and every ablation variant / pruning baseline, on the shipped SmolLM2 head (and SmolLM2 as its own
+# draft model for the draft-model variants), with the shipped calibration and warm-up matrix when present.
+GRAFT_METHODS = [("graft", {}), ("graft", {"budget": 15}), ("graft", {"variant": "fixed", "budget": 15}),
+                 ("graft", {"variant": "root", "budget": 15}), ("graft", {"variant": "batch", "budget": 15}),
+                 ("graft", {"matrix": "cold", "budget": 15}), ("graft", {"tpl_depth": 3, "tpl_width": 4}),
+                 ("prune", {"policy": "echo", "budget": 15}), ("prune", {"policy": "ddd", "budget": 15}),
+                 ("prune", {"policy": "svip", "budget": 15}),
+                 ("graft", {"drafter": "draft-tree", "model": "smollm2-135m", "budget": 15}),
+                 ("graft", {"drafter": "draft-chain", "model": "smollm2-135m", "budget": 6})]
+
+
+@pytest.mark.slow
+def test_graft_variants_equal_ar_greedy_fp32(smollm2_engine):
+    engine = smollm2_engine
+    ties = exact = 0
+    retrieved = 0
+    for prompt in PROMPTS[:4]:
+        ref = engine.generate(prompt, "ar", max_new_tokens=96)
+        for method, opts in GRAFT_METHODS:
+            g = engine.generate(prompt, method, max_new_tokens=96, **opts)
+            tie = assert_greedy_equal(engine, ref, g, f"{method} {opts} {prompt[:30]}")
+            ties += tie
+            exact += not tie
+            d = g.config["drafter"]
+            assert d["counters"]["offered_draft"] + d["counters"]["offered_retrieval"] <= \
+                g.config["budget"] * g.stats.steps
+            retrieved += d["counters"].get("accepted_retrieval", 0)
+    assert ties <= len(GRAFT_METHODS) and exact >= 4 * len(GRAFT_METHODS) - len(GRAFT_METHODS)
+    assert retrieved > 0  # grafted nodes are really accepted on real text

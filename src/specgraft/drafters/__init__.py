@@ -22,10 +22,10 @@ DEFAULTS: dict[str, dict] = {
     # depth = the inner drafter's defaults; calibration: "auto" (beside the head), "none" or a directory.
     "graft": {"budget": 60, "drafter": "eagle", "variant": "graft", "head": "auto", "model": "qwen2.5-coder-0.5b",
               "top_k": "auto", "depth": "auto", "k": 8, "scope": "request", "dedup": "merge",
-              "calibration": "auto"},
+              "calibration": "auto", "rho": "auto", "matrix": "auto", "tpl_depth": "auto", "tpl_width": "auto"},
     # Pruning only (no retrieval): echo (Graft's calibrated gate), ddd, svip; param overrides ddd/svip's level.
     "prune": {"budget": 60, "drafter": "eagle", "policy": "echo", "param": "auto", "head": "auto",
-              "model": "qwen2.5-coder-0.5b", "top_k": "auto", "depth": "auto", "calibration": "auto"},
+              "model": "qwen2.5-coder-0.5b", "top_k": "auto", "depth": "auto", "calibration": "auto", "rho": "auto"},
     # Outside reference, not a drafter: transformers' assisted generation with a draft model (reference.py).
     "hf_assisted": {"budget": 0, "model": "qwen2.5-coder-0.5b"},
 }
@@ -155,18 +155,32 @@ def _graft(method: str, opts: dict, vocab_size: int, dtype: str, target, target_
         elif opts["calibration"] != "auto":
             raise SpecgraftError(f"no calibration in {path} (run `specgraft calibrate`)")
     thresholds = cal.thresholds if cal else None
+    if opts["rho"] != "auto":  # thresholds at another rho, from the stored fits
+        if cal is None or not 0 < float(opts["rho"]) < 1:
+            raise SpecgraftError("rho needs a calibration and a value in (0, 1)")
+        thresholds = cal.thresholds_for(float(opts["rho"]))
     if method == "prune":
         param = None if opts["param"] == "auto" else float(opts["param"])
         policy = make_policy(opts["policy"], thresholds, param)
         return GraftDrafter(inner, vocab_size, "prune", policy, name=f"prune-{opts['policy']}", calibration=where,
                             tau_tail=cal.tau_tail if cal else 0.1)
     k = int(opts["k"])
-    snapshot = cal.snapshot if cal is not None and cal.snapshot is not None and int(cal.snapshot["succ"].shape[1]) == k \
-        else None
+    # matrix: "auto" = the calibration's warm-up snapshot, "cold" = none, or another calibration directory's
+    src = cal if opts["matrix"] == "auto" else None
+    if opts["matrix"] not in ("auto", "cold"):
+        src = Calibration.load(Path(opts["matrix"]))
+    snapshot = src.snapshot if src is not None and src.snapshot is not None \
+        and int(src.snapshot["succ"].shape[1]) == k else None
+    sweep = None
+    if (opts["tpl_depth"], opts["tpl_width"]) != ("auto", "auto"):
+        sweep = (9 if opts["tpl_depth"] == "auto" else int(opts["tpl_depth"]),
+                 10 if opts["tpl_width"] == "auto" else int(opts["tpl_width"]))
+        if sweep[0] < 1 or sweep[1] < 1:
+            raise SpecgraftError("tpl_depth and tpl_width must be >= 1")
     return GraftDrafter(inner, vocab_size, opts["variant"], make_policy("echo", thresholds), k=k,
                         scope=opts["scope"], snapshot=snapshot, dedup=opts["dedup"],
                         tau_tail=cal.tau_tail if cal else 0.1, rank_weights=cal.rank_weights if cal else None,
-                        calibration=where)
+                        calibration=where, sweep=sweep, matrix_source=str(opts["matrix"]))
 
 
 __all__ = ["DraftModelDrafter", "EagleDrafter", "DEFAULTS", "METHODS", "DraftContext", "Drafter", "NoDraft", "PromptLookup", "TokenRecycling",

@@ -23,7 +23,7 @@ from collections import Counter
 import torch
 
 from ..dynamic_tree import rerank
-from ..graft import RANK_WEIGHTS, ROOT_SHARE, Template, graft_merge, stage_split, stage_template
+from ..graft import RANK_WEIGHTS, ROOT_SHARE, graft_merge, stage_split, stage_template, sweep_template
 from ..pruning import SparseGate
 from ..tree import SOURCE_DRAFT, SOURCE_RETRIEVAL, SOURCE_ROOT, Tree
 from .base import DraftContext
@@ -39,7 +39,8 @@ class GraftDrafter:
     def __init__(self, inner, vocab_size: int, variant: str = "graft", policy=None, k: int = 8,
                  scope: str = "request", snapshot: dict | None = None, dedup: str = "merge",
                  tau_tail: float = 0.1, rank_weights: tuple[float, ...] | None = None, name: str = "graft",
-                 calibration: str = "fallback", template: Template | None = None):
+                 calibration: str = "fallback", sweep: tuple[int, int] | None = None,
+                 matrix_source: str = "calibration"):
         chain = getattr(inner, "shape", "tree") == "chain"
         variant = "tail" if chain and variant == "graft" else variant  # Graft on a chain is Graft-TAIL
         allowed = CHAIN_VARIANTS if chain else TREE_VARIANTS
@@ -58,9 +59,9 @@ class GraftDrafter:
         self.matrix = AdjacencyMatrix(vocab_size, k)
         self.scope, self.snapshot, self.dedup, self.tau_tail = scope, snapshot, dedup, tau_tail
         self.rank_weights = tuple(rank_weights) if rank_weights else None
-        self.calibration, self.template = calibration, template
+        self.calibration, self.sweep, self.matrix_source = calibration, sweep, matrix_source
         self._templates: dict[tuple, tuple] = {}
-        self.requests = 0
+        self.requests = self.lifetime_retrieval = 0
         self.counters: Counter = Counter()
         self.stages: Counter = Counter()
         self.times = Counter()
@@ -88,6 +89,7 @@ class GraftDrafter:
         src = tree.source
         self.counters["offered_draft"] += int((src == SOURCE_DRAFT).sum())
         self.counters["offered_retrieval"] += int((src == SOURCE_RETRIEVAL).sum())
+        self.lifetime_retrieval += int((src == SOURCE_RETRIEVAL).sum())  # across requests (tests)
         return tree
 
     def observe(self, tree: Tree, logits: torch.Tensor, verdict, hidden=None) -> None:
@@ -105,7 +107,8 @@ class GraftDrafter:
                 "policy": getattr(self.policy, "name", type(self.policy).__name__),
                 "thresholds": list(getattr(self.policy, "thresholds", ())) or None,
                 "calibration": self.calibration, "tau_tail": self.tau_tail if self.chain else None,
-                "k": self.matrix.k, "scope": self.scope, "dedup": self.dedup,
+                "k": self.matrix.k, "scope": self.scope, "dedup": self.dedup, "template_sweep": self.sweep,
+                "matrix_source": self.matrix_source,
                 "retrieval_state": "warm" if self.snapshot is not None else
                 ("cold" if self.scope == "request" or self.requests <= 1 else "hot"),
                 "rows_filled": self.matrix.rows_filled, "populated_bytes": self.matrix.populated_bytes,
@@ -116,7 +119,9 @@ class GraftDrafter:
     def _retrieval(self, key: tuple, stage: int, slots: int):
         """(template, parents array) for a stage at a slot count, built once."""
         if key not in self._templates:
-            tpl = self.template or stage_template(stage, slots, self.rank_weights or RANK_WEIGHTS, self.matrix.k)
+            weights = self.rank_weights or RANK_WEIGHTS
+            tpl = sweep_template(slots, *self.sweep, weights, self.matrix.k) if self.sweep else \
+                stage_template(stage, slots, weights, self.matrix.k)
             parents, ranks, depths = tpl.arrays
             self._templates[key] = (tpl, parents, ranks, depths)
         return self._templates[key]
