@@ -67,6 +67,11 @@ def test_merge_docstring_example():
     # dedup="none": the duplicate takes a slot of its own
     h = graft_merge(tokens, parents, retrieved, tpl_parents, slots=2, n_template=4, dedup="none")
     assert h.tokens == [99, 10, 12, 11, 10, 13] and h.n_dedup == 0
+    # dedup="skip": the duplicate merges (d still attaches under a) and its slot goes to the root row's next
+    # rank that is not a child yet (row of 99 = [10, 11, 16]: 10 and 11 are children, so 16)
+    h = graft_merge(tokens, parents, retrieved, tpl_parents, slots=2, n_template=4, dedup="skip",
+                    row=lambda t: {99: [10, 11, 16, -1]}.get(t, [-1]))
+    assert h.tokens == [99, 10, 12, 11, 16, 13] and h.parents == [-1, 0, 1, 0, 0, 1] and h.n_dedup == 1
 
 
 def test_merge_drops_cold_subtrees_and_never_exceeds_slots():

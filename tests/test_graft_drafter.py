@@ -121,9 +121,11 @@ def test_tail_chain_sampling_matches_ar():
     exact = exact_ar_joint(target, prompt, params, vocab)
     backend = TargetBackend(target)
     inner = make_drafter("draft", vocab, model=tiny_llama(vocab=vocab, scale=3.0, seed=11))
-    d = GraftDrafter(inner, vocab, "tail", tau_tail=0.6)  # sampled prefix + one-hot retrieved tail
+    # A loose tau keeps 1-3 sampled draft tokens, then a one-hot retrieved tail: the stop must not look at
+    # the token it would draw (a rule that did made P(first token) .42 instead of .30 in a two-token example).
+    d = GraftDrafter(inner, vocab, "tail", tau_tail=0.3)
     n = 5000
-    counts = sample_counts(backend, d, prompt, params, 3, n)
+    counts = sample_counts(backend, d, prompt, params, 4, n)
     assert d.lifetime_retrieval > n / 2
     assert_matches(counts, exact, n, "graft-tail chain")
 

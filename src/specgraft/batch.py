@@ -200,6 +200,7 @@ def clone_drafter(d, shared_matrix=None):
                          "global", None, d.dedup, d.tau_tail, d.rank_weights, d.name, d.calibration, d.sweep,
                          d.matrix_source)
         c.matrix, c.requests = shared_matrix or d.matrix, 1  # "global": start() must not reset the shared table
+        c.snapshot = d.snapshot  # for the record ("warm"); already loaded into the shared table
         return c
     raise ValueError(f"batch mode supports eagle, draft-model and graft drafters, not '{d.name}'")
 

@@ -79,7 +79,10 @@ def generate(
         raise SpecgraftError(f"unknown method '{method}'; choose one of: {', '.join(METHODS)}")
     from .harness import parse_method
 
-    opts.update({k: v for k, v in parse_method("x:" + ",".join(opt)).items() if k != "name"} if opt else {})
+    extra = {k: v for o in opt for k, v in parse_method("x:" + o).items() if k != "name"}
+    if "budget" in extra:
+        raise SpecgraftError("set the budget with --budget, not --opt budget=...")
+    opts.update(extra)
     if budget is not None and budget != "auto":
         try:
             budget = int(budget)

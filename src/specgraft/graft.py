@@ -168,27 +168,37 @@ class Hybrid:
 
 def graft_merge(tokens: list[int], parents: list[int], retrieved: list[int], tpl_parents: np.ndarray,
                 slots: int, n_template: int, dedup: str = "merge", source_draft: int = 1,
-                source_retrieval: int = 2) -> Hybrid:
+                source_retrieval: int = 2, row=None) -> Hybrid:
     """Merge template nodes (``retrieved[u]`` = token or -1, ``tpl_parents[u]`` its template parent, node 0
     the root) into the draft tree ``tokens``/``parents`` (root first) by token identity under the same
     parent, adding at most ``slots`` new nodes; template first, then the reserve while slots remain.
 
     ``dedup="none"`` adds duplicates as new nodes (still lossless, wastes slots) and ignores the reserve.
+    ``dedup="skip"``: a duplicate still merges (its children attach), and its slot goes to the next rank of the
+    parent's matrix row (``row(token) -> successors``) that is not already a child there.
     """
     out_t, out_p = list(tokens), list(parents)
     source = [0] + [source_draft] * (len(tokens) - 1)
     index = {(p, t): i for i, (p, t) in enumerate(zip(out_p, out_t)) if i > 0}
     merged = {0: 0}
     added = dup = 0
-    last = len(retrieved) if dedup == "merge" else n_template + 1
+    last = len(retrieved) if dedup == "merge" else n_template + 1  # the reserve serves "merge" only
     for u in range(1, last):
         tok, tp = int(retrieved[u]), int(tpl_parents[u])
         if tok < 0 or tp not in merged:
             continue
         m_par = merged[tp]
-        if dedup == "merge" and (m_par, tok) in index:
+        if dedup in ("merge", "skip") and (m_par, tok) in index:
             merged[u] = index[(m_par, tok)]
             dup += 1
+            if dedup == "skip" and row is not None and added < slots:
+                alt = next((t for t in row(out_t[m_par]) if t >= 0 and (m_par, t) not in index), None)
+                if alt is not None:  # the next unused rank at the same parent, as a leaf
+                    out_t.append(alt)
+                    out_p.append(m_par)
+                    source.append(source_retrieval)
+                    index[(m_par, alt)] = len(out_t) - 1
+                    added += 1
             continue
         if added >= slots:
             break

@@ -166,7 +166,7 @@ def _graft_table(recs: list[dict], labels: list[str]) -> list[str]:
                 stages[k] += v
             for k, v in d["counters"].items():
                 c[k] += v
-        d, steps = mine[0]["method_config"]["drafter"], sum(r["steps"] for r in mine)
+        d, steps = mine[0]["method_config"]["drafter"], max(sum(r["steps"] for r in mine), 1)
         hit = c["accepted_retrieval"] / c["offered_retrieval"] if c["offered_retrieval"] else float("nan")
         hist = ", ".join(f"{k}: {v / max(steps, 1):.2f}" for k, v in sorted(stages.items(), key=lambda kv: str(kv[0])))
         rows.append(f"| {label} | {d['variant']} / {d['policy']} | {hist} | {c['offered_draft'] / steps:.1f} / "

@@ -20,11 +20,11 @@ DEFAULTS: dict[str, dict] = {
     # Graft (lossless): prune at calibrated checkpoints, fill freed slots from the matrix. drafter: eagle,
     # draft-tree or draft-chain; variant: graft | fixed | root | batch (trees), tail (chains); "auto" top_k /
     # depth = the inner drafter's defaults; calibration: "auto" (beside the head), "none" or a directory.
-    "graft": {"budget": 60, "drafter": "eagle", "variant": "graft", "head": "auto", "model": "qwen2.5-coder-0.5b",
+    "graft": {"budget": 59, "drafter": "eagle", "variant": "graft", "head": "auto", "model": "qwen2.5-coder-0.5b",
               "top_k": "auto", "depth": "auto", "k": 8, "scope": "request", "dedup": "merge",
               "calibration": "auto", "rho": "auto", "matrix": "auto", "tpl_depth": "auto", "tpl_width": "auto"},
     # Pruning only (no retrieval): echo (Graft's calibrated gate), ddd, svip; param overrides ddd/svip's level.
-    "prune": {"budget": 60, "drafter": "eagle", "policy": "echo", "param": "auto", "head": "auto",
+    "prune": {"budget": 59, "drafter": "eagle", "policy": "echo", "param": "auto", "head": "auto",
               "model": "qwen2.5-coder-0.5b", "top_k": "auto", "depth": "auto", "calibration": "auto", "rho": "auto"},
     # Outside reference, not a drafter: transformers' assisted generation with a draft model (reference.py).
     "hf_assisted": {"budget": 0, "model": "qwen2.5-coder-0.5b"},
@@ -164,7 +164,7 @@ def _graft(method: str, opts: dict, vocab_size: int, dtype: str, target, target_
         policy = make_policy(opts["policy"], thresholds, param)
         return GraftDrafter(inner, vocab_size, "prune", policy, name=f"prune-{opts['policy']}", calibration=where,
                             tau_tail=cal.tau_tail if cal else 0.1)
-    k = int(opts["k"])
+    k = opts["k"]
     # matrix: "auto" = the calibration's warm-up snapshot, "cold" = none, or another calibration directory's
     src = cal if opts["matrix"] == "auto" else None
     if opts["matrix"] not in ("auto", "cold"):

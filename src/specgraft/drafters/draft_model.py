@@ -62,8 +62,8 @@ class DraftModelDrafter:
 
     def chain(self, ctx: DraftContext, gamma: int, tau: float | None = None
               ) -> tuple[list[int], torch.Tensor | None, list[float]]:
-        """Draft up to ``gamma`` tokens; with ``tau``, stop before the first token whose cumulative draft
-        probability ``prod q_i(y_i)`` falls below it (at least one token is kept).
+        """Draft up to ``gamma`` tokens; with ``tau``, stop before token i when ``prod_{j<i} q_j(y_j) * max q_i``
+        falls below it (under greedy: the cumulative probability of the would-be token; at least one is kept).
 
         Returns the tokens, their ``q`` rows (sampling; row 0 for the root, zeros) and the cumulative
         probabilities of the kept tokens.
@@ -79,10 +79,12 @@ class DraftModelDrafter:
         drafts, qs, cum, c = [], [], [], 1.0
         for i in range(gamma):
             q = target_probs(logits, params) if not params.greedy else torch.softmax(logits.float(), -1)
+            # Decide to stop *before* drawing token i, from the kept prefix and q_i alone: a stop that looked
+            # at the drawn token would make what is proposed depend on its own value (not lossless).
+            if tau is not None and drafts and c * float(q.max()) < tau:
+                break
             x = int(logits.argmax()) if params.greedy else int(torch.multinomial(q, 1, generator=self.gen))
             c *= float(q[x])
-            if tau is not None and drafts and c < tau:
-                break
             drafts.append(x)
             cum.append(c)
             if not params.greedy:

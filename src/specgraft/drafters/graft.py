@@ -49,8 +49,10 @@ class GraftDrafter:
                              f"choose one of: {', '.join(allowed)}")
         if scope not in ("request", "global"):
             raise ValueError(f"scope must be 'request' or 'global', got {scope!r}")
-        if dedup not in ("merge", "none"):
-            raise ValueError(f"dedup must be 'merge' or 'none', got {dedup!r}")
+        if dedup not in ("merge", "skip", "none"):
+            raise ValueError(f"dedup must be 'merge', 'skip' or 'none', got {dedup!r}")
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"graft k must be an integer >= 1, got {k!r}")
         if not 0 < tau_tail <= 1:
             raise ValueError(f"tau_tail must be in (0, 1], got {tau_tail}")
         self.inner, self.chain, self.variant, self.name = inner, chain, variant, name
@@ -113,7 +115,8 @@ class GraftDrafter:
                 ("cold" if self.scope == "request" or self.requests <= 1 else "hot"),
                 "rows_filled": self.matrix.rows_filled, "populated_bytes": self.matrix.populated_bytes,
                 "stage_histogram": {str(k): v for k, v in sorted(self.stages.items(), key=str)},
-                "counters": dict(c), "retrieval_hit_rate": c["accepted_retrieval"] / offered if offered else None}
+                "counters": dict(c), "retrieval_hit_rate": c["accepted_retrieval"] / offered if offered else None,
+                "times": {k: round(v, 4) for k, v in self.times.items()}}
 
     # -- trees -----------------------------------------------------------------------------------------------
     def _retrieval(self, key: tuple, stage: int, slots: int):
@@ -163,7 +166,8 @@ class GraftDrafter:
         t0 = time.perf_counter()
         tpl, tpar, ranks, depths = self._retrieval((stage, slots), stage, slots)
         got = self.matrix.gather(ctx.ids[-1], tpar, ranks, depths).tolist()
-        hyb = graft_merge(tokens, parents, got, tpar, slots, tpl.n_template, self.dedup)
+        hyb = graft_merge(tokens, parents, got, tpar, slots, tpl.n_template, self.dedup,
+                          row=lambda t: self.matrix.table[t].tolist())
         self.counters["dedup"] += hyb.n_dedup
         self.times["retrieval_s"] += time.perf_counter() - t0
         return Tree.build(hyb.tokens, hyb.parents, hyb.source)
