@@ -8,6 +8,7 @@ import torch
 from specgraft.autotune import choose_budget, expected_mat, interpolate
 from specgraft.calibration import Calibration, fit_threshold, isotonic, run_calibration
 from specgraft.decode import Engine
+from specgraft.drafters import make_drafter
 from specgraft.errors import SpecgraftError
 
 from .conftest import tiny_llama
@@ -56,7 +57,7 @@ def test_calibration_run_saves_loads_and_resumes(tmp_path):
     target = tiny_llama(vocab=len(tok), layers=4, scale=8.0)
     engine = Engine.from_model(target, tok, "tiny")
     ids = list(range(len(tok)))[:64]
-    inner = __import__("specgraft.drafters", fromlist=["make_drafter"]).make_drafter(
+    inner = make_drafter(
         "eagle", len(tok), target=target, head=random_head(target, ids), top_k=3, depth=5)
     convs = [(str(i), [{"role": "user", "content": f"Count to {i} please."},
                        {"role": "assistant", "content": " ".join(map(str, range(i)))}]) for i in range(3, 9)]

@@ -137,6 +137,8 @@ class BatchResult:
 def decode_batch(model, drafters: list, prompts: list[list[int]], params: SamplingParams, max_new_tokens: int,
                  budget: int, eos_ids: set[int]) -> BatchResult:
     """Decode ``prompts`` together (one drafter per request); outputs equal each request decoded alone."""
+    from .decode import first_token
+
     t0 = time.perf_counter()
     backend = BatchBackend(model)
     layers = tuple(getattr(drafters[0], "hidden_layers", ()))
@@ -146,10 +148,7 @@ def decode_batch(model, drafters: list, prompts: list[list[int]], params: Sampli
     ids = []
     for i, (d, p) in enumerate(zip(drafters, prompts)):
         d.start(p, logits[i] if d.needs_prefill_logits else None, hidden[i])
-        last = logits[i][-1]
-        tok = int(last.argmax()) if params.greedy else int(torch.multinomial(
-            __import__("specgraft.sampling", fromlist=["target_probs"]).target_probs(last, params), 1,
-            generator=gens[i]))
+        tok = first_token(logits[i][-1], params, gens[i])  # the same first token as the single-request loop
         ids.append([*p, tok])
         res.outputs[i].append(tok)
     done = [max_new_tokens <= 1 or out[-1] in eos_ids for out in res.outputs]
