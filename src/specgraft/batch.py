@@ -26,6 +26,7 @@ from transformers import DynamicCache
 
 from .backend import check_tree_support
 from .drafters.base import DraftContext
+from .errors import SpecgraftError
 from .sampling import SamplingParams, make_generator
 from .tree import Tree
 from .verify import verify_tree
@@ -239,6 +240,9 @@ def run_batch_bench(engine, specs: list, prompts: list[list[int]], batch_sizes: 
             done[(r["label"], r["batch_size"])] = r
     env = environment()
     greedy = SamplingParams()
+    lossy = [s.label for s in specs if s.verify != "lossless" or s.sampling]
+    if lossy:
+        raise SpecgraftError(f"batch mode is greedy and lossless; remove verify/min_p/eta from: {', '.join(lossy)}")
     for spec in specs:  # warm-up: one short batch per method
         opts = {k: v for k, v in spec.options.items() if k != "budget"}
         budget = spec.options.get("budget", DEFAULTS[spec.method]["budget"])

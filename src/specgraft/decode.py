@@ -18,6 +18,7 @@ import torch
 from .backend import TargetBackend
 from .drafters import DEFAULTS, DraftContext, Drafter, make_drafter
 from .errors import SpecgraftError
+from .lossy import Rule, parse_rule
 from .sampling import SamplingParams, make_generator, target_probs
 from .stats import Stats
 from .verify import verify_tree
@@ -32,8 +33,9 @@ def first_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
 
 def decode_tokens(backend: TargetBackend, drafter: Drafter, prompt_ids: list[int], params: SamplingParams,
                   max_new_tokens: int, budget: int, eos_ids: set[int], stats: Stats,
-                  gen: torch.Generator) -> Iterator[list[int]]:
-    """Yield the tokens each step commits (cut at EOS, which is included, and at ``max_new_tokens``)."""
+                  gen: torch.Generator, rule: Rule | None = None) -> Iterator[list[int]]:
+    """Yield the tokens each step commits (cut at EOS, which is included, and at ``max_new_tokens``).
+    ``rule``: an opt-in LOSSY verification rule (lossy.py); None = lossless."""
     clock = time.perf_counter
     t0 = clock()
     layers = getattr(drafter, "hidden_layers", ())  # target features a drafter reads (EAGLE heads)
@@ -51,7 +53,7 @@ def decode_tokens(backend: TargetBackend, drafter: Drafter, prompt_ids: list[int
         t2 = clock()
         out = backend.verify(tree, layers)
         t3 = clock()
-        verdict = verify_tree(tree, out.logits, params, gen)
+        verdict = verify_tree(tree, out.logits, params, gen, rule)
         backend.commit(verdict.accepted)
         t4 = clock()
         drafter.observe(tree, out.logits, verdict, out.hidden)
@@ -93,6 +95,25 @@ class Stream:
 
     def __iter__(self) -> Iterator[str]:
         yield from self._pieces
+
+
+def chain_drafter(method: str, options: dict) -> bool:
+    """Does this method propose chains that carry the draft distribution ``q`` they were sampled from?"""
+    if method == "draft":
+        return options.get("shape", DEFAULTS["draft"]["shape"]) == "chain"
+    if method == "graft":
+        return options.get("drafter", DEFAULTS["graft"]["drafter"]) == "draft-chain"
+    return False
+
+
+def check_lossy(rule: Rule, method: str, options: dict, sampling: SamplingParams) -> None:
+    if sampling.greedy:
+        raise SpecgraftError(f"{rule.spec} needs sampling (temperature > 0); greedy verification has no lossy rules")
+    if method in ("ar", "hf_assisted"):
+        raise SpecgraftError(f"{rule.spec} needs a speculative method, not '{method}'")
+    if rule.needs_q and not chain_drafter(method, options):
+        raise SpecgraftError(f"lossy rule '{rule.name}' needs draft probabilities: use a chain drafter "
+                             f"(method draft with shape=chain), not '{method}'")
 
 
 class Engine:
@@ -155,11 +176,16 @@ class Engine:
 
     def stream(self, prompt: str | list[dict] | list[int], method: str = "ar", *, sampling: SamplingParams | None = None,
                max_new_tokens: int = 128, stop: tuple[str, ...] = (), chat: bool = True,
-               budget: int | None = None, **method_options) -> Stream:
-        """Validate everything up front (errors raise here, not mid-stream), then return a lazy stream."""
+               budget: int | None = None, verify: str | Rule = "lossless", **method_options) -> Stream:
+        """Validate everything up front (errors raise here, not mid-stream), then return a lazy stream.
+
+        ``verify``: ``"lossless"`` (default) or an opt-in LOSSY rule ``"lossy:RULE:PARAM"`` (lossy.py)."""
         sampling = sampling or SamplingParams()
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise SpecgraftError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        rule = parse_rule(verify)
+        if rule.lossy:
+            check_lossy(rule, method, method_options, sampling)
         drafter = self.drafter(method, **method_options)
         budget = DEFAULTS[method]["budget"] if budget is None else budget
         auto = None
@@ -179,24 +205,25 @@ class Engine:
                   **{k: v for k, v in DEFAULTS[method].items() if k != "budget"},
                   **{k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in method_options.items()},
                   "sampling": sampling.to_dict(), "max_new_tokens": max_new_tokens, "chat": chat,
-                  "stop": list(stop), **({"budget_auto": auto} if auto else {})}
+                  "stop": list(stop), "verify": rule.spec, "lossy": rule.lossy,
+                  **({"budget_auto": auto} if auto else {})}
         stream = Stream(iter(()))
         if drafter is None:
             if stop:
                 raise SpecgraftError("hf_assisted does not support stop strings")
             stream._pieces = self._reference_pieces(stream, ids, sampling, max_new_tokens, config, **method_options)
             return stream
-        stream._pieces = self._pieces(stream, ids, drafter, sampling, max_new_tokens, budget, stop, config)
+        stream._pieces = self._pieces(stream, ids, drafter, sampling, max_new_tokens, budget, stop, config, rule)
         return stream
 
-    def _pieces(self, stream: Stream, ids, drafter, sampling, max_new_tokens, budget, stop, config):
-        stats = Stats(method=drafter.name)
+    def _pieces(self, stream: Stream, ids, drafter, sampling, max_new_tokens, budget, stop, config, rule):
+        stats = Stats(method=drafter.name, verify=rule.spec)
         gen = make_generator(sampling.seed)
         out: list[int] = []
         text = full = ""
         t0 = time.perf_counter()
         steps = decode_tokens(self.backend, drafter, ids, sampling, max_new_tokens, budget, self.eos_ids,
-                              stats, gen)
+                              stats, gen, rule if rule.lossy else None)
         # Hold back the last (longest stop - 1) characters: a stop string may straddle two steps.
         hold = max((len(x) for x in stop), default=1) - 1
         for new in steps:

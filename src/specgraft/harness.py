@@ -17,7 +17,7 @@ import platform
 import subprocess
 import sys
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .datasets import Item, load_dataset
@@ -32,7 +32,17 @@ SCHEMA_VERSION = 1
 class MethodSpec:
     label: str
     method: str
-    options: dict = field(default_factory=dict, hash=False)
+    options: dict = field(default_factory=dict, hash=False)  # the drafter's options (and budget)
+    verify: str = "lossless"  # or an opt-in LOSSY rule "lossy:RULE:PARAM"
+    sampling: dict = field(default_factory=dict, hash=False)  # per-method truncation sampling: min_p, eta
+
+    def params(self, base: SamplingParams) -> SamplingParams:
+        return replace(base, **self.sampling) if self.sampling else base
+
+
+# Keys a method entry may carry besides its drafter options: the verification rule and truncation sampling
+# (the correct baselines of the lossy truncation rules).
+LOOP_KEYS = ("verify", "min_p", "eta")
 
 
 @dataclass
@@ -75,7 +85,7 @@ def expand_methods(entries: list[dict]) -> list[MethodSpec]:
         name = entry.pop("name", None)
         if name not in METHODS:
             raise SpecgraftError(f"unknown method '{name}'; choose one of: {', '.join(METHODS)}")
-        unknown = set(entry) - set(DEFAULTS[name])
+        unknown = set(entry) - set(DEFAULTS[name]) - set(LOOP_KEYS)
         if unknown:
             raise SpecgraftError(f"method '{name}' has no option(s) {sorted(unknown)}; it takes {sorted(DEFAULTS[name])}")
         keys = sorted(entry)
@@ -83,7 +93,9 @@ def expand_methods(entries: list[dict]) -> list[MethodSpec]:
         for combo in itertools.product(*values):
             opts = dict(zip(keys, combo))
             label = name + (":" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else "")
-            specs.append(MethodSpec(label, name, opts))
+            verify = opts.pop("verify", "lossless")
+            samp = {k: opts.pop(k) for k in ("min_p", "eta") if k in opts}
+            specs.append(MethodSpec(label, name, opts, verify, samp))
     if not any(s.method == "ar" for s in specs):
         specs.insert(0, MethodSpec("ar", "ar", {}))
     labels = [s.label for s in specs]
@@ -189,7 +201,7 @@ def run_conversation(engine, item: Item, spec: MethodSpec, sampling: SamplingPar
     messages, out = [], []
     for turn in item.turns:
         messages.append({"role": "user", "content": turn})
-        g = engine.generate(messages, spec.method, sampling=sampling,
+        g = engine.generate(messages, spec.method, sampling=spec.params(sampling), verify=spec.verify,
                             max_new_tokens=max_new_tokens, **spec.options)
         messages.append({"role": "assistant", "content": g.text})
         out.append(g)
@@ -203,7 +215,8 @@ def make_record(cfg: BenchConfig, env: dict, dataset: str, item: Item, spec: Met
         "schema": SCHEMA_VERSION, "dataset": dataset, "prompt_id": item.id, "category": item.category,
         "turn": turn, "n_turns": len(item.turns), "seed": seed, "label": spec.label, "method": spec.method,
         "method_config": g.config, "model": cfg.model, "dtype": cfg.dtype, "max_new_tokens": cfg.max_new_tokens,
-        "sampling": g.config["sampling"], "greedy": cfg.temperature == 0.0, "lossy": False,
+        "sampling": g.config["sampling"], "greedy": cfg.temperature == 0.0,
+        "verify": g.config.get("verify", "lossless"), "lossy": bool(g.config.get("lossy", False)),
         "machine": {k: env[k] for k in ("cpu", "cores", "threads")},
         "versions": {k: env[k] for k in ("python", "torch", "transformers", "specgraft")},
         "commit": env["commit"], "dirty": env["dirty"],
@@ -220,12 +233,17 @@ def make_record(cfg: BenchConfig, env: dict, dataset: str, item: Item, spec: Met
 
 def run_harness(cfg: BenchConfig, out_path: str, progress=None, log=print, engine=None) -> dict:
     """Run (or resume) a benchmark into ``out_path``; returns counts of what ran and what was skipped."""
-    from .decode import Engine
+    from .decode import Engine, check_lossy
+    from .lossy import parse_rule
     from .quality import score
 
     specs = expand_methods(cfg.methods)
     for seed in cfg.seeds:
-        cfg.sampling(seed)  # validate before loading anything
+        for spec in specs:  # validate before loading anything
+            params = spec.params(cfg.sampling(seed))
+            rule = parse_rule(spec.verify)
+            if rule.lossy:
+                check_lossy(rule, spec.method, spec.options, params)
     plan = [(d.get("name"), load_dataset(d["name"], d.get("limit"), d.get("stride", 1), d.get("categories"),
                                          d.get("path"), d.get("max_turns"))) for d in cfg.datasets]
     complete, dropped = repair_for_resume(out_path) if Path(out_path).exists() else (set(), 0)
@@ -237,8 +255,8 @@ def run_harness(cfg: BenchConfig, out_path: str, progress=None, log=print, engin
     for spec in specs:
         engine.drafter(spec.method, **spec.options)
         for _ in range(cfg.warmup):
-            engine.generate(first.turns[0], spec.method, sampling=cfg.sampling(cfg.seeds[0]),
-                            max_new_tokens=min(32, cfg.max_new_tokens), **spec.options)
+            engine.generate(first.turns[0], spec.method, sampling=spec.params(cfg.sampling(cfg.seeds[0])),
+                            verify=spec.verify, max_new_tokens=min(32, cfg.max_new_tokens), **spec.options)
     total = sum(len(items) for _, items in plan) * len(specs) * len(cfg.seeds)
     ran = skipped = 0
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ class Stats:
     verify_s: float = 0.0  # the target forward over the tree
     total_s: float = 0.0  # wall time of the whole request, prefill included
     retrieval_state: str | None = None  # cold / hot, for retrieval drafters
+    verify: str = "lossless"  # or "lossy:RULE:PARAM" (opt-in; the output distribution is not the target's)
 
     @property
     def mat(self) -> float:
@@ -60,7 +61,7 @@ class Stats:
 
     def merge(self, other: "Stats") -> "Stats":
         """Sum of two runs of the same method (for per-dataset totals)."""
-        out = Stats(self.method)
+        out = Stats(self.method, verify=self.verify)
         for name in ("steps", "new_tokens", "tree_nodes", "prefill_s", "draft_s", "verify_s", "total_s"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.committed = self.committed + other.committed
@@ -80,6 +81,7 @@ class Stats:
 
     def summary(self) -> str:
         state = f" retrieval={self.retrieval_state}" if self.retrieval_state else ""
+        state += f" verify={self.verify} (LOSSY)" if self.verify != "lossless" else ""
         return (f"[{self.method}] {self.new_tokens} tokens in {self.total_s:.2f}s ({self.tokens_per_s:.1f} tok/s), "
                 f"{self.steps} steps, MAT {self.mat:.2f} (incl. bonus), time draft {self.draft_s:.2f}s / "
                 f"verify {self.verify_s:.2f}s / prefill {self.prefill_s:.2f}s / other {self.other_s:.2f}s{state}")

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import SpecgraftError
+from .lossy import Rule
 from .sampling import SamplingParams, target_probs
 from .tree import Tree
 
@@ -121,12 +123,65 @@ def sample_chain(
     return n_acc, int(torch.multinomial(residual, 1, generator=gen))
 
 
+def lossy_chain(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor, rule: Rule,
+                gen: torch.Generator) -> tuple[int, int]:
+    """A LOSSY rule on a chain: accept ``x_i`` with ``rule.accept_prob(p_i, q_i)[x_i]``; at the first
+    rejection emit from ``rule.fallback(p_i, q_i)``; if all are accepted the bonus comes from ``p_g``.
+    Shapes as in :func:`sample_chain`. Returns ``(n_accepted, next_token)``."""
+    g = draft.shape[0]
+    for i in range(g):
+        pi, qi, x = p[i].double(), q[i].double(), int(draft[i])
+        a = float(rule.accept_prob(pi, qi)[x])
+        if float(torch.rand((), generator=gen, dtype=torch.float64)) >= a:
+            return i, int(torch.multinomial(rule.fallback(pi, qi), 1, generator=gen))
+    return g, int(torch.multinomial(p[g].double(), 1, generator=gen))
+
+
+def lossy_tree(tree: Tree, probs: torch.Tensor, rule: Rule, gen: torch.Generator) -> Verdict:
+    """A LOSSY rule on deterministic candidates (q = 1 convention): the sibling-retry walk of
+    :func:`sample_tree_retry` with ``rule.tree_gate(p)`` in place of ``r[x]``. Sibling order matters here
+    (drafted siblings by score, then retrieved ones by rank: the order the drafters emit)."""
+    tokens = tree.tokens.tolist()
+    node, accepted = 0, [0]
+    while True:
+        p = probs[node].double()
+        gate = rule.tree_gate(p)
+        r = p.clone()
+        tried: set[int] = set()
+        moved = False
+        for c in tree.children[node]:
+            x = tokens[c]
+            if x in tried:
+                continue
+            tried.add(x)
+            if float(torch.rand((), generator=gen, dtype=torch.float64)) < gate(x, r):
+                node, moved = c, True
+                accepted.append(c)
+                break
+            r[x] = 0.0
+            total = r.sum()
+            if total <= 0:  # every token of p was tried and rejected: stop with the target itself
+                r = p
+                break
+            r = r / total
+        if not moved:
+            return Verdict(accepted, int(torch.multinomial(r, 1, generator=gen)))
+
+
 def verify_tree(
-    tree: Tree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+    tree: Tree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, rule: Rule | None = None
 ) -> Verdict:
     """The lossless rule for the tree under the given sampling settings: greedy matching; chain speculative
     sampling (``p/q``) for chains that carry the draft distribution they were sampled from; otherwise the
-    q = 1 rule for deterministic candidates."""
+    q = 1 rule for deterministic candidates. A LOSSY ``rule`` (opt-in, sampling only) replaces the last two."""
+    if rule is not None and rule.lossy:
+        if params.greedy:
+            raise SpecgraftError("lossy verification rules need sampling (temperature > 0)")
+        probs = target_probs(logits, params)
+        if tree.draft_probs is not None and tree.size > 1:
+            n_acc, nxt = lossy_chain(tree.tokens[1:], probs, tree.draft_probs[1:], rule, gen)
+            return Verdict(list(range(n_acc + 1)), nxt)
+        return lossy_tree(tree, probs, rule, gen)
     if params.greedy:
         return greedy_tree(tree, logits)
     probs = target_probs(logits, params)
