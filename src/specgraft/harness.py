@@ -197,12 +197,13 @@ def repair_for_resume(path: str | Path) -> tuple[set, int]:
     return keys, dropped
 
 
-def run_conversation(engine, item: Item, spec: MethodSpec, sampling: SamplingParams, max_new_tokens: int):
+def run_conversation(engine, item: Item, spec: MethodSpec, sampling: SamplingParams, max_new_tokens: int,
+                     stop: tuple[str, ...] = ()):
     messages, out = [], []
     for turn in item.turns:
         messages.append({"role": "user", "content": turn})
         g = engine.generate(messages, spec.method, sampling=spec.params(sampling), verify=spec.verify,
-                            max_new_tokens=max_new_tokens, **spec.options)
+                            max_new_tokens=max_new_tokens, stop=stop, **spec.options)
         messages.append({"role": "assistant", "content": g.text})
         out.append(g)
     return out
@@ -244,6 +245,7 @@ def run_harness(cfg: BenchConfig, out_path: str, progress=None, log=print, engin
             rule = parse_rule(spec.verify)
             if rule.lossy:
                 check_lossy(rule, spec.method, spec.options, params)
+    stops = {d.get("name"): tuple(d.get("stop", ())) for d in cfg.datasets}  # per dataset, e.g. a code fence
     plan = [(d.get("name"), load_dataset(d["name"], d.get("limit"), d.get("stride", 1), d.get("categories"),
                                          d.get("path"), d.get("max_turns"))) for d in cfg.datasets]
     complete, dropped = repair_for_resume(out_path) if Path(out_path).exists() else (set(), 0)
@@ -269,7 +271,7 @@ def run_harness(cfg: BenchConfig, out_path: str, progress=None, log=print, engin
                     if (dname, item.id, spec.label, seed) in complete:
                         skipped += 1
                     else:
-                        gens = run_conversation(engine, item, spec, sampling, cfg.max_new_tokens)
+                        gens = run_conversation(engine, item, spec, sampling, cfg.max_new_tokens, stops[dname])
                         lines = [json.dumps(make_record(cfg, env, dname, item, spec, seed, t, g,
                                                         score if cfg.score else None)) for t, g in enumerate(gens)]
                         out.write("\n".join(lines) + "\n")

@@ -395,3 +395,29 @@ def parse_rule(spec: "str | Rule | None") -> Rule:
     if "l" in kwargs and name == "combined":
         _check_unit(name, "l", kwargs["l"], True)
     return cls(**kwargs)
+
+
+def tree_node_yield(rule: Rule, p: torch.Tensor, child_tokens: list[int]) -> torch.Tensor:
+    """Exact distribution of the token a node emits under ``rule``'s tree gate (q = 1 convention): the
+    accepted child's token, or the bonus from the final ``r``. The oracle for :func:`verify.lossy_tree`.
+    ``child_tokens`` in sibling order; duplicates are skipped as the verifier skips them."""
+    gate = rule.tree_gate(p)
+    out = torch.zeros_like(p)
+    remaining, r = 1.0, p.clone()
+    for x in dict.fromkeys(child_tokens):
+        a = gate(x, r)
+        out[x] += remaining * a
+        remaining *= 1.0 - a
+        r[x] = 0.0
+        total = r.sum()
+        if total <= 0:
+            r = p
+            break
+        r = r / total
+    return out + remaining * r
+
+
+GRID = ("lossy:speccascade:0.1;lossy:speccascade:0.3;lossy:speccascade:0.5;lossy:speccascade:0.9;"
+        "lossy:typical:0.05;lossy:typical:0.1;lossy:typical:0.2;lossy:lenience:0.2;lossy:lenience:0.5;"
+        "lossy:lenience:0.8;lossy:combined:0.3;lossy:cos:0.8;lossy:cos:0.5;lossy:cos:0.2;lossy:interp:0.2;"
+        "lossy:interp:0.5;lossy:cap:0.2;lossy:cap:0.5")

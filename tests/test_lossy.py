@@ -1,0 +1,210 @@
+"""Lossy verification rules: the spec's vectors (algorithms.md §11.1-11.2), properties, Monte Carlo vs closed
+form through the production verifiers, parsing."""
+
+import math
+
+import pytest
+import torch
+
+from specgraft.errors import SpecgraftError
+from specgraft.lossy import (CapOnly, Combined, CoS, InterpOnly, Lenience, Rule, SpecCascade, Typical, eta_set,
+                             eta_threshold, kl, lenience_delta, minp_set, parse_rule, tree_node_yield, truncate, tv)
+from specgraft.sampling import SamplingParams, target_probs
+from specgraft.tree import SOURCE_DRAFT, Tree
+from specgraft.verify import lossy_chain, lossy_tree
+
+D = torch.float64
+P = torch.tensor([0.40, 0.25, 0.20, 0.10, 0.05], dtype=D)
+V1 = torch.tensor([0.10, 0.30, 0.20, 0.15, 0.25], dtype=D)
+V2 = torch.tensor([0.05, 0.55, 0.10, 0.05, 0.25], dtype=D)
+
+CHAIN_GOLDEN = [  # (rule, pi on V1, pi on V2), algorithms.md §11.1
+    (Rule(), P.tolist(), P.tolist()),
+    (Lenience(0.5), [0.25, 0.30, 0.20, 0.15, 0.10], [0.19, 0.50, 0.14, 0.07, 0.10]),
+    (CoS(0.3), [0.19, 0.285, 0.20, 0.135, 0.19], [0.155, 0.46, 0.13, 0.065, 0.19]),
+    (CoS(0.5), [0.25, 0.275, 0.20, 0.125, 0.15], [0.225, 0.40, 0.15, 0.075, 0.15]),
+    (SpecCascade(0.3, "draft_truncated"), [1 / 6, 1 / 2, 1 / 3, 0, 0], [0.071429, 0.785714, 0.142857, 0, 0]),
+    (SpecCascade(0.3), [0.50, 0.30, 0.20, 0, 0], [0.26, 0.55, 0.16, 0.03, 0]),
+    (SpecCascade(0.3, "target_truncated"), [0.288235, 0.417647, 0.294118, 0, 0],
+     [0.191176, 0.638235, 0.170588, 0, 0]),
+    (Typical(0.2), [0.26, 0.40, 0.28, 0.04, 0.02], [0.17, 0.625, 0.16, 0.03, 0.015]),
+    (Combined(0.3, 0.5), [0.25, 0.30, 0.20, 0.15, 0.10], [0.155, 0.55, 0.13, 0.065, 0.10]),
+    (InterpOnly(0.5), [0.25, 0.275, 0.20, 0.125, 0.15], [0.19, 0.43, 0.14, 0.07, 0.17]),
+    (CapOnly(0.5), [0.25, 0.30, 0.20, 0.15, 0.10], [0.214286, 0.476190, 0.142857, 0.071429, 0.095238]),
+]
+ALL_RULES = [r for r, _, _ in CHAIN_GOLDEN] + [Typical(0.09), SpecCascade(0.0), Combined(0.7, 0.3), CapOnly(0.2),
+                                               InterpOnly(0.2), Lenience(0.2), CoS(0.0), Typical(0.2, "residual")]
+
+
+@pytest.mark.parametrize("rule,g1,g2", CHAIN_GOLDEN, ids=lambda x: getattr(x, "spec", ""))
+def test_chain_closed_forms_match_spec_vectors(rule, g1, g2):
+    for q, want in ((V1, g1), (V2, g2)):
+        pi = rule.induced(P, q)
+        assert torch.allclose(pi, torch.tensor(want, dtype=D), atol=1e-6), (rule.spec, pi)
+
+
+def test_sets_thresholds_delta_and_kl_vectors():
+    assert minp_set(P, 0.3).tolist() == [True, True, True, False, False]
+    assert eta_threshold(P, 0.2) == pytest.approx(0.108637, abs=1e-6)
+    assert eta_threshold(P, 0.09) == pytest.approx(0.072876, abs=1e-6)
+    assert eta_set(P, 0.09).tolist() == [True, True, True, True, False]
+    p_a = truncate(P, minp_set(P, 0.3))
+    assert torch.allclose(p_a, torch.tensor([0.470588, 0.294118, 0.235294, 0, 0], dtype=D), atol=1e-6)
+    q_a1 = SpecCascade(0.3, "draft_truncated").induced(P, V1)
+    q_a2 = SpecCascade(0.3, "draft_truncated").induced(P, V2)
+    assert kl(p_a, q_a1) == pytest.approx(0.250443, abs=1e-6)
+    assert kl(p_a, q_a2) == pytest.approx(0.715599, abs=1e-6)
+    assert lenience_delta(P, V1, 0.5) == pytest.approx(0.5)
+    assert lenience_delta(P, V2, 0.5) == pytest.approx(0.4)
+    assert kl(torch.tensor([0.5, 0.5], dtype=D), torch.tensor([1.0, 0.0], dtype=D)) == math.inf
+
+
+TREE_GOLDEN = [  # (children, lenience 0.5, min-p gate 0.3, soft eta 0.2), algorithms.md §11.2
+    ([1, 0], [0.5, 0.5, 0, 0, 0], [0, 1, 0, 0, 0], [0, 1, 0, 0, 0]),
+    ([3, 4], [0.334641, 0.209150, 0.167320, 0.2, 0.088889], [0.470588, 0.294118, 0.235294, 0, 0],
+     [0.020194, 0.012621, 0.010097, 0.920495, 0.036592]),
+    ([4, 3], [0.334365, 0.208978, 0.167183, 0.189474, 0.1], [0.470588, 0.294118, 0.235294, 0, 0],
+     [0.020194, 0.012621, 0.010097, 0.496839, 0.460248]),
+]
+
+
+@pytest.mark.parametrize("children,len_,minp,eta", TREE_GOLDEN)
+def test_tree_gate_yields_match_spec_vectors(children, len_, minp, eta):
+    for rule, want in ((Lenience(0.5), len_), (SpecCascade(0.3), minp), (Typical(0.2), eta)):
+        got = tree_node_yield(rule, P, children)
+        assert torch.allclose(got, torch.tensor(want, dtype=D), atol=1e-6), (rule.spec, children, got)
+    assert torch.allclose(tree_node_yield(Rule(), P, children), P)  # lossless is order-invariant
+    if children == [1, 0]:  # the tree lower bound: the first sibling in A is a point mass
+        assert kl(tree_node_yield(SpecCascade(0.3), P, children), truncate(P, minp_set(P, 0.3))) == \
+            pytest.approx(1.223775, abs=1e-6)
+
+
+def _random_pq(seed, v=256):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(v, generator=g, dtype=D) * 2, 0)
+    q = torch.softmax(torch.randn(v, generator=g, dtype=D) * 2, 0)
+    return p, q
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_properties_on_random_distributions(seed):
+    p, q = _random_pq(seed)
+    lossless_a = Rule().accept_prob(p, q)
+    assert torch.allclose(Lenience(1.0).accept_prob(p, q), lossless_a)
+    assert torch.allclose(CoS(1.0).accept_prob(p, q), lossless_a)
+    for r in (Lenience(1.0), CoS(1.0), InterpOnly(1.0), CapOnly(1.0), Rule()):
+        assert torch.allclose(r.induced(p, q), p, atol=1e-12), r.spec
+    assert torch.allclose(CoS(0.0).induced(p, q), q)
+    assert bool((SpecCascade(0.0).accept_prob(p, q) == 1).all())
+    only = SpecCascade(1.0).accept_prob(p, q)
+    assert only.sum() == 1 and only[p.argmax()] == 1
+    for r in ALL_RULES:
+        pi = r.induced(p, q)
+        assert float(pi.sum()) == pytest.approx(1.0, abs=1e-12), r.spec
+        assert bool((pi >= -1e-15).all())
+    for l in (0.2, 0.5, 0.8):
+        pi = Lenience(l).induced(p, q)
+        over = q >= p / l
+        assert bool(over.any())
+        assert torch.allclose(pi[over], p[over] / l)  # the cap, exactly
+        assert bool((pi <= torch.maximum(q, p / l) + 1e-12).all())
+        comb = Combined(0.3, l).induced(p, q)
+        out = over & ~minp_set(p, 0.3)
+        assert torch.allclose(comb[out], p[out] / l)
+    trunc = SpecCascade(0.3, "draft_truncated").induced(p, q)
+    assert float(trunc.sum()) == pytest.approx(1.0)
+
+
+def _tiny_chain(x: int, q: torch.Tensor) -> Tree:
+    probs = torch.zeros(2, q.shape[0])
+    probs[1] = q.float()
+    return Tree.chain(0, [x], SOURCE_DRAFT, draft_probs=probs)
+
+
+def _mc_chain_vectorised(rule, p, q, n, gen):
+    x = torch.multinomial(q, n, replacement=True, generator=gen)
+    u = torch.rand(n, generator=gen, dtype=D)
+    fb = torch.multinomial(rule.fallback(p, q), n, replacement=True, generator=gen)
+    out = torch.where(u < rule.accept_prob(p, q)[x], x, fb)
+    return torch.bincount(out, minlength=p.shape[0]).to(D) / n
+
+
+@pytest.mark.parametrize("rule", ALL_RULES, ids=lambda r: r.spec)
+def test_monte_carlo_matches_closed_form(rule):
+    """1e5 draws of (accept_prob, fallback) vs ``induced``: TV < 0.01 (the issue's criterion); and the
+    production chain verifier (lossy_chain, one draft token) agrees cell by cell within 4.5 standard errors."""
+    gen = torch.Generator().manual_seed(1)
+    for q in (V1, V2):
+        pi = rule.induced(P, q)
+        assert tv(_mc_chain_vectorised(rule, P, q, 100_000, gen), pi) < 0.01
+    for q in (V2,):  # V2 separates the rules
+        pi = rule.induced(P, q)
+        n = 2500
+        p_rows = torch.stack([P, P]).float()
+        counts = torch.zeros(5, dtype=D)
+        for _ in range(n):
+            x = int(torch.multinomial(q, 1, generator=gen))
+            n_acc, nxt = lossy_chain(torch.tensor([x]), p_rows, q.float()[None], rule, gen)
+            counts[x if n_acc == 1 else nxt] += 1
+        freq = counts / n
+        se = (pi * (1 - pi) / n).sqrt().clamp(min=1e-3)
+        assert bool(((freq - pi).abs() <= 4.5 * se).all()), (rule.spec, freq, pi)
+
+
+def test_monte_carlo_detects_an_altered_rule():
+    """The MC check has power: lenience's frequencies are far from CoS's closed form at the same value."""
+    gen = torch.Generator().manual_seed(2)
+    assert tv(_mc_chain_vectorised(Lenience(0.5), P, V2, 100_000, gen), CoS(0.5).induced(P, V2)) > 0.05
+
+
+@pytest.mark.parametrize("rule", [Lenience(0.5), SpecCascade(0.3), Typical(0.2), Combined(0.3, 0.5), Rule()],
+                         ids=lambda r: r.spec)
+def test_lossy_tree_verifier_matches_node_yield(rule):
+    """The production tree walk (lossy_tree) emits its first token with tree_node_yield's distribution."""
+    children = [3, 4, 3]  # a duplicate sibling: skipped
+    tree = Tree.build([0, *children], [-1, 0, 0, 0])
+    probs = torch.stack([P] + [P] * 3).float()
+    gen = torch.Generator().manual_seed(3)
+    n = 3000
+    counts = torch.zeros(5, dtype=D)
+    for _ in range(n):
+        v = lossy_tree(tree, probs, rule, gen)
+        counts[int(tree.tokens[v.accepted[1]]) if v.accept_length else v.bonus] += 1
+    want = tree_node_yield(rule, P, children)
+    se = (want * (1 - want) / n).sqrt().clamp(min=1e-3)
+    assert bool(((counts / n - want).abs() <= 4.5 * se).all()), (counts / n, want)
+
+
+def test_rules_without_a_tree_form_raise():
+    for r in (CoS(0.5), InterpOnly(0.5), CapOnly(0.5)):
+        with pytest.raises(SpecgraftError, match="needs draft probabilities"):
+            r.tree_gate(P)
+
+
+def test_truncation_sampling_params_equal_truncation_sets():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for kw, setf in (({"min_p": 0.3}, lambda p: minp_set(p, 0.3)), ({"eta": 0.09}, lambda p: eta_set(p, 0.09))):
+        got = target_probs(logits, SamplingParams(0.7, **kw)).double()
+        base = target_probs(logits, SamplingParams(0.7)).double()
+        for i in range(3):
+            assert torch.allclose(got[i], truncate(base[i], setf(base[i])), atol=1e-6)
+        assert bool((got > 0).sum(-1).lt(50).all())
+    for bad in ({"min_p": 1.0}, {"eta": -0.1}, {"min_p": "x"}):
+        with pytest.raises(SpecgraftError):
+            SamplingParams(0.7, **bad)
+
+
+def test_parse_rule():
+    assert parse_rule("lossless") == Rule() and not parse_rule(None).lossy
+    assert parse_rule("lossy:lenience:0.5") == Lenience(0.5)
+    assert parse_rule("lossy:speccascade:0.3:fallback=target") == SpecCascade(0.3, "target")
+    assert parse_rule("lossy:combined:0.3:l=0.4") == Combined(0.3, 0.4)
+    for r in (parse_rule(s) for s in ("lossy:cos:0.4", "lossy:typical:0.09", "lossy:cap:0.2", "lossy:interp:0.2",
+                                     "lossy:combined:0.3", "lossy:speccascade:0.1:fallback=draft_truncated")):
+        assert r.lossy and parse_rule(r.spec) == r
+    for bad, msg in (("lossy:nope:0.5", "unknown lossy rule"), ("lossy:lenience:0", r"\(0, 1\]"),
+                     ("lossy:lenience:x", "must be a number"), ("lenience", "verify must be"),
+                     ("lossy:cos:1.5", r"\[0, 1\]"), ("lossy:speccascade:0.3:fallback=foo", "fallback must be"),
+                     ("lossy:lenience:0.5:l=0.3", "no option"), ("lossy:typical:0", r"\(0, 1\]")):
+        with pytest.raises(SpecgraftError, match=msg):
+            parse_rule(bad)
