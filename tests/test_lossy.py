@@ -208,3 +208,79 @@ def test_parse_rule():
                      ("lossy:lenience:0.5:l=0.3", "no option"), ("lossy:typical:0", r"\(0, 1\]")):
         with pytest.raises(SpecgraftError, match=msg):
             parse_rule(bad)
+
+
+# ---- through the decode loop (tiny random models) ------------------------------------------------------
+
+def _loop_counts(backend, drafter, prompt, params, budget, n, length, rule=None):
+    from dataclasses import replace
+
+    from specgraft.decode import decode_tokens
+    from specgraft.stats import Stats
+
+    counts: dict = {}
+    for i in range(n):
+        gen = torch.Generator().manual_seed(i)
+        out = [t for chunk in decode_tokens(backend, drafter, prompt, replace(params, seed=i), length, budget, set(),
+                                            Stats(drafter.name), gen, rule) for t in chunk]
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+    return counts
+
+
+def test_lossless_sd_under_truncation_sampling_matches_ar_truncation_sampling():
+    """The correct baselines: min-p / eta sampling decoded with lossless SD equal AR min-p / eta sampling."""
+    from specgraft.backend import TargetBackend
+    from specgraft.drafters import make_drafter
+
+    from .conftest import tiny_llama
+    from .test_decode import exact_ar_joint
+    from .test_verify import assert_matches
+
+    vocab = 6
+    target = tiny_llama(vocab=vocab, scale=3.0, seed=3)
+    backend = TargetBackend(target)
+    drafter = make_drafter("draft", vocab, model=tiny_llama(vocab=vocab, scale=3.0, seed=11))
+    prompt = [1, 2, 3, 1, 2]
+    for params in (SamplingParams(0.9, min_p=0.3), SamplingParams(0.9, eta=0.2)):
+        exact = exact_ar_joint(target, prompt, params, vocab)
+        assert sum(v == 0 for v in exact.values()) > 0  # truncation removed outcomes
+        n = 2500
+        assert_matches(_loop_counts(backend, drafter, prompt, params, 3, n, 3), exact, n, str(params))
+
+
+@pytest.mark.parametrize("rule", [Lenience(0.5), CoS(0.3), SpecCascade(0.3)], ids=lambda r: r.spec)
+def test_lossy_chain_through_the_loop_matches_closed_form(rule):
+    """Token 2 (the first verified one) follows ``rule.induced(p, q)`` at its context, token 1 follows p."""
+    from specgraft.backend import TargetBackend
+    from specgraft.drafters import make_drafter
+
+    from .conftest import tiny_llama
+    from .test_verify import assert_matches
+
+    vocab = 6
+    target, draft = tiny_llama(vocab=vocab, scale=3.0, seed=3), tiny_llama(vocab=vocab, scale=3.0, seed=11)
+    params = SamplingParams(0.9)
+    prompt = [1, 2, 3, 1, 2]
+    expected = {}
+    with torch.no_grad():
+        def probs(model, ids):
+            return target_probs(model(input_ids=torch.tensor([ids])).logits[0, -1], params).double()
+
+        p1 = probs(target, prompt)
+        for t1 in range(vocab):
+            pi = rule.induced(probs(target, prompt + [t1]), probs(draft, prompt + [t1]))
+            for t2 in range(vocab):
+                expected[(t1, t2)] = float(p1[t1] * pi[t2])
+    n = 3000
+    counts = _loop_counts(TargetBackend(target), make_drafter("draft", vocab, model=draft), prompt, params, 3, n, 2,
+                          rule)
+    assert_matches(counts, expected, n, rule.spec)
+    # and it is not the target's distribution: the same counts fail against lossless AR
+    lossless = {}
+    with torch.no_grad():
+        for t1 in range(vocab):
+            p2 = probs(target, prompt + [t1])
+            for t2 in range(vocab):
+                lossless[(t1, t2)] = float(p1[t1] * p2[t2])
+    with pytest.raises(AssertionError):
+        assert_matches(counts, lossless, n, "lossless")

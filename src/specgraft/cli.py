@@ -46,6 +46,11 @@ def generate(
     top_p: float = typer.Option(1.0, help="Nucleus filter (1 = off)."),
     top_k: int = typer.Option(0, help="Top-k filter (0 = off)."),
     seed: Optional[int] = typer.Option(None, help="Sampling seed."),
+    min_p: float = typer.Option(0.0, help="min-p truncation sampling (0 = off); lossless SD w.r.t. it."),
+    eta: float = typer.Option(0.0, help="eta truncation sampling epsilon (0 = off); lossless SD w.r.t. it."),
+    verify: str = typer.Option("lossless", help="Verification rule: lossless (default) or an opt-in LOSSY rule "
+                               "lossy:RULE:PARAM with RULE one of speccascade, typical, cos, lenience, interp, cap, "
+                               "combined (docs/lossy.md); needs --temperature > 0."),
     max_new_tokens: int = typer.Option(128, help="Maximum number of generated tokens."),
     dtype: str = typer.Option("bfloat16", help="float32 (exact reference) or bfloat16 (2-3x faster on CPU)."),
     budget: Optional[str] = typer.Option(None, help="Tree node budget (non-root nodes), or 'auto' (eagle/graft/"
@@ -72,7 +77,10 @@ def generate(
     from .decode import Engine
     from .sampling import SamplingParams
 
-    sampling = SamplingParams(temperature, top_k, top_p, seed)
+    from .decode import check_lossy
+    from .lossy import parse_rule
+
+    sampling = SamplingParams(temperature, top_k, top_p, seed, min_p, eta)
     opts = _method_options(method, pld_max_ngram, recycle_k, recycle_scope, draft_model, draft_shape, draft_top_k,
                            draft_depth, head, eagle_top_k, eagle_depth)
     if method not in METHODS:
@@ -88,10 +96,14 @@ def generate(
             budget = int(budget)
         except ValueError:
             raise SpecgraftError(f"--budget must be an integer or 'auto', got '{budget}'") from None
+    rule = parse_rule(verify)
+    if rule.lossy:
+        check_lossy(rule, method, opts, sampling)
+        print(f"warning: {rule.spec} is LOSSY: the output does not follow the target distribution", file=sys.stderr)
     _quiet_transformers()
     engine = Engine(model, dtype, cache_dir)
     stream = engine.stream(prompt, method, sampling=sampling, max_new_tokens=max_new_tokens, stop=tuple(stop),
-                           chat=chat, budget=budget, **opts)
+                           chat=chat, budget=budget, verify=rule, **opts)
     if as_json:
         for _ in stream:
             pass
@@ -388,6 +400,66 @@ def batch_cmd(
     for r in recs:
         print(f"| {r['label']} | {r['batch_size']} | {r['throughput']:.2f} | {r['mat']:.2f} | "
               f"{r['throughput'] / base[r['label']]:.2f} | {r['equal_to_batch1']} |")
+
+
+@app.command()
+def distortion(
+    model: str = typer.Option("qwen2.5-coder-1.5b", "--model", "-m"),
+    dtype: str = typer.Option("bfloat16"),
+    modes: str = typer.Option("chain,tree", help="chain (draft-model chain with its q), tree (deterministic "
+                              "candidates, q = 1 gates), or both."),
+    rules: Optional[str] = typer.Option(None, help="';'-separated lossy:RULE:PARAM specs; default: a grid of "
+                                        "every rule."),
+    prompts: str = typer.Option("humaneval", help="Dataset or a .jsonl/.txt file."),
+    limit: int = typer.Option(3, help="Number of prompts."),
+    stride: int = typer.Option(27, help="Take every K-th prompt."),
+    max_new_tokens: int = typer.Option(64),
+    temperature: float = typer.Option(0.7),
+    seed: int = typer.Option(0),
+    draft_model: str = typer.Option("qwen2.5-coder-0.5b", help="chain mode: the draft LM."),
+    gamma: int = typer.Option(4, help="chain mode: draft tokens per step."),
+    tree_method: str = typer.Option("eagle", help="tree mode: eagle or graft (deterministic candidates)."),
+    tree_budget: int = typer.Option(15, help="tree mode: non-root nodes per tree."),
+    mc_draws: int = typer.Option(0, help="tree mode: also run the production verifier this many times per step "
+                                 "and rule, reporting its TV to the exact yield."),
+    out: Optional[str] = typer.Option(None, help="Records (JSONL, resumed). Default runs/distortion-MODEL.jsonl"),
+) -> None:
+    """Per-step TV and KL between each LOSSY rule's output distribution and its correct baseline, on real
+    prompts: closed form for chains, exact gate yields (and optional Monte Carlo) over real trees."""
+    from rich.progress import Progress
+
+    from .distortion import DistortionConfig, aggregate, markdown_table, run_distortion
+    from .lossy import GRID, parse_rule
+    from .sampling import SamplingParams
+
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    if not mode_list or set(mode_list) - {"chain", "tree"}:
+        raise SpecgraftError(f"--modes must be chain, tree or chain,tree, got '{modes}'")
+    specs = [x.strip() for x in (rules or GRID).split(";") if x.strip()]
+    if not all(parse_rule(x).lossy for x in specs):
+        raise SpecgraftError("--rules takes lossy:RULE:PARAM specs only (the lossless rule has no distortion)")
+    if tree_method not in ("eagle", "graft"):
+        raise SpecgraftError(f"--tree-method must be eagle or graft, got '{tree_method}'")
+    for name, val in (("limit", limit), ("stride", stride), ("max-new-tokens", max_new_tokens), ("gamma", gamma)):
+        if val < 1:
+            raise SpecgraftError(f"--{name} must be >= 1")
+    if temperature <= 0:
+        raise SpecgraftError("--temperature must be > 0: lossy rules act on sampling")
+    SamplingParams(temperature, seed=seed)
+    if tree_budget < 1 or mc_draws < 0:
+        raise SpecgraftError("--tree-budget must be >= 1 and --mc-draws >= 0")
+    cfg = DistortionConfig(model, dtype, prompts, limit, stride, max_new_tokens, temperature, seed, specs,
+                           ("draft", {"shape": "chain", "model": draft_model}), (tree_method, {}), tree_budget,
+                           mc_draws)
+    cfg.chain_budget = gamma
+    out = out or f"runs/distortion-{model.replace('/', '_')}-{dtype}.jsonl"
+    _quiet_transformers()
+    with Progress() as bar:
+        task = bar.add_task("distortion", total=None)
+        records = run_distortion(cfg, mode_list, out, progress=lambda d, t, w: bar.update(
+            task, completed=d, total=t, description=w))
+    print(f"records: {out}", file=sys.stderr)
+    print(markdown_table(aggregate(records)))
 
 
 @app.command("models")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -21,6 +21,7 @@ from .errors import SpecgraftError
 from .lossy import Rule, parse_rule
 from .sampling import SamplingParams, make_generator, target_probs
 from .stats import Stats
+from .tree import Tree
 from .verify import verify_tree
 
 
@@ -33,9 +34,11 @@ def first_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
 
 def decode_tokens(backend: TargetBackend, drafter: Drafter, prompt_ids: list[int], params: SamplingParams,
                   max_new_tokens: int, budget: int, eos_ids: set[int], stats: Stats,
-                  gen: torch.Generator, rule: Rule | None = None) -> Iterator[list[int]]:
+                  gen: torch.Generator, rule: Rule | None = None,
+                  on_verify: Callable[[Tree, torch.Tensor], None] | None = None) -> Iterator[list[int]]:
     """Yield the tokens each step commits (cut at EOS, which is included, and at ``max_new_tokens``).
-    ``rule``: an opt-in LOSSY verification rule (lossy.py); None = lossless."""
+    ``rule``: an opt-in LOSSY verification rule (lossy.py); None = lossless. ``on_verify(tree, logits)``
+    observes every verification (the distortion tool reads the real p and q there)."""
     clock = time.perf_counter
     t0 = clock()
     layers = getattr(drafter, "hidden_layers", ())  # target features a drafter reads (EAGLE heads)
@@ -53,6 +56,8 @@ def decode_tokens(backend: TargetBackend, drafter: Drafter, prompt_ids: list[int
         t2 = clock()
         out = backend.verify(tree, layers)
         t3 = clock()
+        if on_verify is not None:
+            on_verify(tree, out.logits)
         verdict = verify_tree(tree, out.logits, params, gen, rule)
         backend.commit(verdict.accepted)
         t4 = clock()

@@ -58,6 +58,7 @@ class BenchConfig:
     datasets: list[dict] = field(default_factory=lambda: [{"name": "mtbench", "limit": 8, "stride": 10}])
     methods: list[dict] = field(default_factory=lambda: [{"name": "pld"}, {"name": "recycle"}])
     score: bool = True
+    ar: bool = True  # add the AR baseline (speedups need it; a follow-up run of extra seeds may skip it)
 
     @staticmethod
     def from_toml(path: str) -> "BenchConfig":
@@ -77,8 +78,9 @@ class BenchConfig:
         return SamplingParams(self.temperature, self.top_k, self.top_p, seed)
 
 
-def expand_methods(entries: list[dict]) -> list[MethodSpec]:
-    """``{"name": "recycle", "budget": [16, 80]}`` -> one spec per combination; AR is added first if absent."""
+def expand_methods(entries: list[dict], add_ar: bool = True) -> list[MethodSpec]:
+    """``{"name": "recycle", "budget": [16, 80]}`` -> one spec per combination; AR is added first if absent
+    (unless ``add_ar`` is False)."""
     specs = []
     for entry in entries:
         entry = dict(entry)
@@ -96,7 +98,7 @@ def expand_methods(entries: list[dict]) -> list[MethodSpec]:
             verify = opts.pop("verify", "lossless")
             samp = {k: opts.pop(k) for k in ("min_p", "eta") if k in opts}
             specs.append(MethodSpec(label, name, opts, verify, samp))
-    if not any(s.method == "ar" for s in specs):
+    if add_ar and not any(s.method == "ar" for s in specs):
         specs.insert(0, MethodSpec("ar", "ar", {}))
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
@@ -238,7 +240,7 @@ def run_harness(cfg: BenchConfig, out_path: str, progress=None, log=print, engin
     from .lossy import parse_rule
     from .quality import score
 
-    specs = expand_methods(cfg.methods)
+    specs = expand_methods(cfg.methods, cfg.ar)
     for seed in cfg.seeds:
         for spec in specs:  # validate before loading anything
             params = spec.params(cfg.sampling(seed))
