@@ -38,6 +38,18 @@ def cli(*args, timeout=300):
     (["calibrate", "--rho", "1.5"], "--rho must be in (0, 1)"),
     (["calibrate", "--rounds", "0"], "--rounds + --extra must be at least 1"),
     (["train-head", "--out", "/tmp/x", "--data", "/no/such.jsonl"], "dataset file not found"),
+    (["generate", "hi", "--verify", "lossy:nope:0.5"], "unknown lossy rule 'nope'"),
+    (["generate", "hi", "--verify", "lossy:lenience:0.5", "--method", "draft"], "needs sampling (temperature > 0)"),
+    (["generate", "hi", "--verify", "lossy:cos:0.5", "--method", "eagle", "--temperature", "0.7"],
+     "needs draft probabilities"),
+    (["generate", "hi", "--verify", "lossy:lenience:1.5", "--temperature", "0.7"], "l must be in (0, 1]"),
+    (["generate", "hi", "--verify", "lossy:lenience:0.5", "--temperature", "0.7"], "needs a speculative method"),
+    (["generate", "hi", "--min-p", "1.2", "--temperature", "0.7"], "min_p must be in [0, 1]"),
+    (["bench", "--methods", "draft:verify=lossy:cap:0.2", "--prompts", "humaneval"], "needs sampling"),
+    (["bench", "--methods", "eagle:verify=lossy:interp:0.2", "--temperature", "0.7"], "needs draft probabilities"),
+    (["distortion", "--modes", "sideways"], "--modes must be chain, tree"),
+    (["distortion", "--rules", "lossless"], "lossy:RULE:PARAM specs only"),
+    (["distortion", "--temperature", "0"], "--temperature must be > 0"),
     (["train-head", "--out", "/tmp/x", "--device", "tpu"], "--device tpu is not available"),
 ])
 def test_bad_input_one_line_error(args, message):
@@ -92,3 +104,34 @@ def test_bench_and_report_commands(tmp_path, smollm2_engine):
     out.write_text(out.read_text()[:-40])  # a truncated record fails the check
     r = cli("report", str(out))
     assert r.returncode == 1 and "exactness check failed" in r.stderr
+
+
+def test_lossy_bench_report_and_distortion_on_smollm2(tmp_path, smollm2_engine):
+    """Lossy rules are opt-in and labelled end to end: records, the --lossy report with the correct baseline,
+    and the distortion tool over real SmolLM2 trees (EAGLE-3 head)."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Write a haiku about the sea.\n")
+    out = tmp_path / "rec.jsonl"
+    r = cli("bench", "--prompts", str(prompts), "--methods",
+            "eagle:budget=8;eagle:budget=8,verify=lossy:lenience:0.5;eagle:budget=8,min_p=0.3;"
+            "eagle:budget=8,verify=lossy:speccascade:0.3", "--dtype", "float32", "--temperature", "0.7",
+            "--max-new-tokens", "16", "--out", str(out), "--warmup", "0")
+    assert r.returncode == 0, r.stderr
+    recs = {x["label"]: x for x in map(json.loads, out.read_text().splitlines())}
+    assert recs["eagle:budget=8,verify=lossy:lenience:0.5"]["lossy"] is True
+    assert recs["eagle:budget=8,verify=lossy:lenience:0.5"]["verify"] == "lossy:lenience:0.5"
+    assert recs["eagle:budget=8"]["lossy"] is False and recs["ar"]["verify"] == "lossless"
+    assert recs["eagle:budget=8,min_p=0.3"]["sampling"]["min_p"] == 0.3
+    r = cli("report", str(out), "--lossy")
+    assert "LOSSY rules vs their correct baselines" in r.stdout
+    row = next(x for x in r.stdout.splitlines() if x.startswith("| eagle:budget=8,verify=lossy:speccascade:0.3 |"))
+    assert "**lossy**" in row and "| eagle:budget=8,min_p=0.3 |" in row  # paired with its truncation baseline
+    dist = tmp_path / "dist.jsonl"
+    r = cli("distortion", "--model", "smollm2-135m", "--dtype", "float32", "--modes", "tree", "--prompts",
+            str(prompts), "--limit", "1", "--max-new-tokens", "12", "--tree-budget", "8", "--mc-draws", "30",
+            "--rules", "lossy:speccascade:0.3;lossy:lenience:0.5;lossy:cos:0.5", "--out", str(dist))
+    assert r.returncode == 0, r.stderr
+    rows = [x for x in r.stdout.splitlines() if x.startswith("| lossy:")]
+    assert len(rows) == 3 and "n/a (needs q)" in next(x for x in rows if "cos" in x)
+    rec = json.loads(dist.read_text().splitlines()[0])
+    assert rec["mode"] == "tree" and rec["rules"]["lossy:speccascade:0.3"]["n"] > 0

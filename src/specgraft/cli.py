@@ -192,6 +192,8 @@ def report(
     plots_dir: Optional[str] = typer.Option(None, "--plots", help="Write PNG plots into this directory."),
     command: Optional[str] = typer.Option(None, help="The command that produced the records, printed at the top."),
     strict: bool = typer.Option(False, help="Fail on any greedy divergence from AR, bf16 included."),
+    lossy: bool = typer.Option(False, "--lossy", help="Also the quality-efficiency table of LOSSY rules, each next "
+                               "to its correct baseline (and quality_vs_mat.png with --plots)."),
 ) -> None:
     """Tables per category and overall, the exactness check, and plots. Exit 1 if the check fails."""
     from pathlib import Path
@@ -205,6 +207,15 @@ def report(
     if not rep.records:
         raise SpecgraftError("no complete records in " + ", ".join(records))
     text = markdown(rep, command)
+    if lossy:
+        from .harness import read_records
+        from .lossy_report import markdown as lossy_markdown
+        from .lossy_report import plot as lossy_plot
+
+        tagged = [{**r, "_file": f} for f in records for r in read_records(f)[0]]
+        text += "\n## LOSSY rules vs their correct baselines\n\n" + lossy_markdown(tagged)
+        if plots_dir:
+            print(f"plot: {lossy_plot(tagged, Path(plots_dir) / 'quality_vs_mat.png')}", file=sys.stderr)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out + ".tmp").write_text(text, encoding="utf-8")

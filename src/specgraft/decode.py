@@ -116,7 +116,9 @@ def check_lossy(rule: Rule, method: str, options: dict, sampling: SamplingParams
         raise SpecgraftError(f"{rule.spec} needs sampling (temperature > 0); greedy verification has no lossy rules")
     if method in ("ar", "hf_assisted"):
         raise SpecgraftError(f"{rule.spec} needs a speculative method, not '{method}'")
-    if rule.needs_q and not chain_drafter(method, options):
+    # Graft-TAIL chains carry one-hot q for retrieved tokens: mixing rules (cos, interp, cap) would accept
+    # those with probability >= 1 - lam whatever the target says, so they need a sampled draft chain.
+    if rule.needs_q and not (method == "draft" and chain_drafter(method, options)):
         raise SpecgraftError(f"lossy rule '{rule.name}' needs draft probabilities: use a chain drafter "
                              f"(method draft with shape=chain), not '{method}'")
 

@@ -90,13 +90,25 @@ def lenience_delta(p: torch.Tensor, q: torch.Tensor, l: float) -> float:
 
 # ---- rules ------------------------------------------------------------------------------------------------
 
+_PARAMS = {"p_base": False, "eps": True, "target_weight": False, "l": True, "lam": True}  # name -> open at 0
+
+
 @dataclass(frozen=True)
 class Rule:
-    """A verification rule. Subclasses define ``accept_prob`` / ``fallback`` (chain) and ``tree_gate``."""
+    """A verification rule. Subclasses define ``accept_prob`` / ``fallback`` (chain) and ``tree_gate``.
+    The base class is the lossless rule; every subclass is LOSSY and must define ``spec``."""
 
     name = "lossless"
     lossy = False
     needs_q = False  # True: no deterministic-candidate (tree) form
+
+    def __post_init__(self) -> None:
+        for key, open_low in _PARAMS.items():
+            if hasattr(self, key):
+                _check_unit(self.name, key, getattr(self, key), open_low)
+        kind = getattr(self, "fallback_kind", "residual")
+        if kind not in _FALLBACKS:
+            raise SpecgraftError(f"fallback must be one of {', '.join(_FALLBACKS)}, got {kind!r}")
 
     def accept_prob(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """``a(x)`` for every token ``x`` as the drafted one."""
@@ -130,6 +142,8 @@ class Rule:
 
     @property
     def spec(self) -> str:
+        if self.lossy:  # a lossy rule must never be recorded as "lossless"
+            raise NotImplementedError(f"{type(self).__name__} must define spec")
         return "lossless"
 
 
@@ -256,8 +270,8 @@ class Lenience(Rule):
 
 @dataclass(frozen=True)
 class InducedTarget(Rule):
-    """Realise a target ``pi(p, q)`` exactly: lossless SD against ``pi`` (accept ``min(1, pi/q)``, fall back
-    to ``norm((pi - q)+)``). Subclasses define ``target``."""
+    """LOSSY (for any ``pi != p``). Realise a target ``pi(p, q)`` exactly: lossless SD against ``pi`` (accept
+    ``min(1, pi/q)``, fall back to ``norm((pi - q)+)``). Subclasses define ``target`` and ``spec``."""
 
     lossy = True
     needs_q = True
@@ -335,15 +349,14 @@ class Combined(Rule):
         return f"lossy:combined:{self.p_base}" + ("" if self.l == 0.5 else f":l={self.l}")
 
 
-RULES: dict[str, tuple[type, str, tuple[float, float]]] = {
-    # name -> (class, parameter field, open/closed valid range checked below)
-    "speccascade": (SpecCascade, "p_base", (0.0, 1.0)),
-    "typical": (Typical, "eps", (0.0, 1.0)),
-    "cos": (CoS, "target_weight", (0.0, 1.0)),
-    "lenience": (Lenience, "l", (0.0, 1.0)),
-    "interp": (InterpOnly, "lam", (0.0, 1.0)),
-    "cap": (CapOnly, "lam", (0.0, 1.0)),
-    "combined": (Combined, "p_base", (0.0, 1.0)),
+RULES: dict[str, tuple[type, str]] = {  # name -> (class, the PARAM field); ranges are checked on construction
+    "speccascade": (SpecCascade, "p_base"),
+    "typical": (Typical, "eps"),
+    "cos": (CoS, "target_weight"),
+    "lenience": (Lenience, "l"),
+    "interp": (InterpOnly, "lam"),
+    "cap": (CapOnly, "lam"),
+    "combined": (Combined, "p_base"),
 }
 
 
@@ -360,7 +373,7 @@ def parse_rule(spec: "str | Rule | None") -> Rule:
         return spec or Rule()
     if not isinstance(spec, str):
         raise SpecgraftError(f"verify must be 'lossless' or 'lossy:RULE:PARAM', got {spec!r}")
-    parts = spec.strip().split(":")
+    parts = [x.strip() for x in spec.strip().split(":")]
     if parts == ["lossless"]:
         return Rule()
     if parts[0] != "lossy" or len(parts) < 3 or len(parts) > 4:
@@ -369,19 +382,21 @@ def parse_rule(spec: "str | Rule | None") -> Rule:
     name, raw = parts[1], parts[2]
     if name not in RULES:
         raise SpecgraftError(f"unknown lossy rule '{name}'; choose one of: {', '.join(RULES)}")
-    cls, key, _ = RULES[name]
+    cls, key = RULES[name]
     try:
         value = float(raw)
     except ValueError:
         raise SpecgraftError(f"lossy rule '{name}': {key} must be a number, got {raw!r}") from None
     kwargs: dict = {key: value}
+    if len(parts) == 4 and not parts[3]:
+        raise SpecgraftError(f"empty option list in {spec!r}")
     for item in filter(None, (parts[3] if len(parts) == 4 else "").split(",")):
-        k, eq, v = item.partition("=")
+        k, eq, v = (x.strip() for x in item.partition("="))
+        if k in ("fallback", "l") and ("fallback_kind" if k == "fallback" else k) in kwargs:
+            raise SpecgraftError(f"option '{k}' given twice in {spec!r}")
         if not eq:
             raise SpecgraftError(f"bad lossy option '{item}' (expected key=value)")
         if k == "fallback" and name in ("speccascade", "typical"):
-            if v not in _FALLBACKS:
-                raise SpecgraftError(f"fallback must be one of {', '.join(_FALLBACKS)}, got {v!r}")
             kwargs["fallback_kind"] = v
         elif k == "l" and name == "combined":
             try:
@@ -390,10 +405,6 @@ def parse_rule(spec: "str | Rule | None") -> Rule:
                 raise SpecgraftError(f"lossy rule 'combined': l must be a number, got {v!r}") from None
         else:
             raise SpecgraftError(f"lossy rule '{name}' has no option '{k}'")
-    open_low = key in ("l", "lam") or name in ("typical",)
-    _check_unit(name, key, value, open_low)
-    if "l" in kwargs and name == "combined":
-        _check_unit(name, "l", kwargs["l"], True)
     return cls(**kwargs)
 
 

@@ -40,8 +40,8 @@ class SamplingParams:
             raise SpecgraftError(f"seed must be a non-negative integer, got {self.seed!r}")
         for name in ("min_p", "eta"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and 0.0 <= v < 1.0):
-                raise SpecgraftError(f"{name} must be in [0, 1) (0 = off), got {v!r}")
+            if not (isinstance(v, (int, float)) and 0.0 <= v <= 1.0):
+                raise SpecgraftError(f"{name} must be in [0, 1] (0 = off), got {v!r}")
 
     @property
     def greedy(self) -> bool:

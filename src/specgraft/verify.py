@@ -145,6 +145,8 @@ def lossy_tree(tree: Tree, probs: torch.Tensor, rule: Rule, gen: torch.Generator
     node, accepted = 0, [0]
     while True:
         p = probs[node].double()
+        if not tree.children[node]:  # a leaf (or a lone root): the bonus comes from the target, no gate needed
+            return Verdict(accepted, int(torch.multinomial(p, 1, generator=gen)))
         gate = rule.tree_gate(p)
         r = p.clone()
         tried: set[int] = set()
