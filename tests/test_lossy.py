@@ -245,7 +245,7 @@ def test_truncation_sampling_params_equal_truncation_sets():
         for i in range(3):
             assert torch.allclose(got[i], truncate(base[i], setf(base[i])), atol=1e-6)
         assert bool((got > 0).sum(-1).lt(50).all())
-    for bad in ({"min_p": 1.0}, {"eta": -0.1}, {"min_p": "x"}):
+    for bad in ({"min_p": 1.5}, {"eta": -0.1}, {"min_p": "x"}):
         with pytest.raises(SpecgraftError):
             SamplingParams(0.7, **bad)
 
@@ -326,15 +326,17 @@ def test_lossless_sd_under_truncation_sampling_matches_ar_truncation_sampling():
     from .test_verify import assert_matches
 
     vocab = 6
-    target = tiny_llama(vocab=vocab, scale=3.0, seed=3)
+    target = tiny_llama(vocab=vocab, scale=8.0, seed=3)  # sharp enough for truncation to remove tokens
     backend = TargetBackend(target)
-    drafter = make_drafter("draft", vocab, model=tiny_llama(vocab=vocab, scale=3.0, seed=11))
+    drafter = make_drafter("draft", vocab, model=tiny_llama(vocab=vocab, scale=8.0, seed=11))
     prompt = [1, 2, 3, 1, 2]
-    for params in (SamplingParams(0.9, min_p=0.3), SamplingParams(0.9, eta=0.2)):
-        exact = exact_ar_joint(target, prompt, params, vocab)
+    for params in (SamplingParams(0.9, min_p=0.3), SamplingParams(0.9, eta=0.3)):
+        exact: dict = {}
+        for k, v in exact_ar_joint(target, prompt, params, vocab).items():  # the first two tokens
+            exact[k[:2]] = exact.get(k[:2], 0.0) + v
         assert sum(v == 0 for v in exact.values()) > 0  # truncation removed outcomes
-        n = 1500
-        assert_matches(_loop_counts(backend, drafter, prompt, params, 3, n, 3), exact, n, str(params))
+        n = 1000
+        assert_matches(_loop_counts(backend, drafter, prompt, params, 3, n, 2), exact, n, str(params))
 
 
 @pytest.mark.parametrize("rule", [Lenience(0.4), SpecCascade(0.3)], ids=lambda r: r.spec)
@@ -360,7 +362,7 @@ def test_lossy_chain_through_the_loop_matches_closed_form(rule):
             pi = rule.induced(probs(target, prompt + [t1]), probs(draft, prompt + [t1]))
             for t2 in range(vocab):
                 expected[(t1, t2)] = float(p1[t1] * pi[t2])
-    n = 2000
+    n = 1200
     counts = _loop_counts(TargetBackend(target), make_drafter("draft", vocab, model=draft), prompt, params, 3, n, 2,
                           rule)
     assert_matches(counts, expected, n, rule.spec)

@@ -392,7 +392,7 @@ def parse_rule(spec: "str | Rule | None") -> Rule:
         raise SpecgraftError(f"empty option list in {spec!r}")
     for item in filter(None, (parts[3] if len(parts) == 4 else "").split(",")):
         k, eq, v = (x.strip() for x in item.partition("="))
-        if k in ("fallback", "l") and ("fallback_kind" if k == "fallback" else k) in kwargs:
+        if (k == "fallback" and "fallback_kind" in kwargs) or (k == "l" and name == "combined" and "l" in kwargs):
             raise SpecgraftError(f"option '{k}' given twice in {spec!r}")
         if not eq:
             raise SpecgraftError(f"bad lossy option '{item}' (expected key=value)")
