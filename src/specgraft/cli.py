@@ -470,7 +470,7 @@ def distortion(
         records = run_distortion(cfg, mode_list, out, progress=lambda d, t, w: bar.update(
             task, completed=d, total=t, description=w))
     print(f"records: {out}", file=sys.stderr)
-    print(markdown_table(aggregate(records)))
+    print(markdown_table(aggregate(records), specs))
 
 
 @app.command("models")

@@ -187,9 +187,9 @@ def _fmt(x: float, inf_share: float | None = None) -> str:
     return s + (f" ({inf_share:.0%} inf)" if inf_share else "")
 
 
-def markdown_table(rows: dict[tuple[str, str], dict]) -> str:
-    """Rules as rows, chain and tree side by side."""
-    specs = list(dict.fromkeys(spec for _, spec in rows))
+def markdown_table(rows: dict[tuple[str, str], dict], specs: list[str] | None = None) -> str:
+    """Rules as rows (``specs``, default: those measured), chain and tree side by side."""
+    specs = list(dict.fromkeys([*(specs or []), *(spec for _, spec in rows)]))
     head = ("| Rule (LOSSY) | baseline | chain steps | chain TV | chain KL(π‖b) | chain KL(b‖π) | tree steps | "
             "tree TV | tree KL(π‖b) | tree KL(b‖π) |")
     lines = [head, "|" + "---|" * 10]
@@ -201,7 +201,7 @@ def markdown_table(rows: dict[tuple[str, str], dict]) -> str:
         for mode in ("chain", "tree"):
             r = rows.get((mode, spec))
             if r is None:
-                cells += ["–"] * 4 if mode == "chain" else ["n/a (needs q)", "–", "–", "–"]
+                cells += ["n/a (needs q)" if mode == "tree" and rule.needs_q else "–", "–", "–", "–"]
                 continue
             cells += [str(r["steps"]), _fmt(r["tv"]), _fmt(r["kl_pi_b"], r["kl_pi_b_inf"]),
                       _fmt(r["kl_b_pi"], r["kl_b_pi_inf"])]
