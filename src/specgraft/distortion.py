@@ -127,19 +127,13 @@ def run_distortion(cfg: DistortionConfig, modes: list[str], out_path: str, engin
     one record per (prompt, mode) appended to ``out_path``; existing records are kept (resume)."""
     from .datasets import load_dataset
     from .decode import Engine, decode_tokens
+    from .harness import read_records
     from .stats import Stats
 
     all_rules = [parse_rule(s) for s in cfg.rules]
     items = load_dataset(cfg.prompts, cfg.limit, cfg.stride)
     out = Path(out_path)
-    done = set()
-    if out.exists():
-        for line in out.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            done.add((r["prompt_id"], r["mode"]))
+    done = {(r["prompt_id"], r["mode"]) for r in read_records(out)[0]}  # resume: skip measured prompts
     engine = engine or Engine(cfg.model, cfg.dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     total, k = len(items) * len(modes), 0
@@ -168,7 +162,7 @@ def run_distortion(cfg: DistortionConfig, modes: list[str], out_path: str, engin
                 f.write(json.dumps(rec) + "\n")
             if progress:
                 progress(k, total, f"{mode} {item.id}")
-    return [json.loads(x) for x in out.read_text().splitlines() if x.strip()]
+    return read_records(out)[0]
 
 
 def aggregate(records: list[dict]) -> dict[tuple[str, str], dict]:

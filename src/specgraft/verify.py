@@ -77,26 +77,7 @@ def sample_tree_retry(tree: Tree, probs: torch.Tensor, gen: torch.Generator) -> 
     renormalise (the residual of a one-hot proposal). Duplicate siblings are skipped. If no child is
     accepted, the bonus is drawn from the residual ``r``.
     """
-    tokens = tree.tokens.tolist()
-    node, accepted = 0, [0]
-    while True:
-        r = probs[node].double().clone()
-        tried: set[int] = set()
-        moved = False
-        for c in tree.children[node]:
-            x = tokens[c]
-            if x in tried:
-                continue
-            tried.add(x)
-            if torch.rand((), generator=gen, dtype=torch.float64) < r[x]:
-                node, moved = c, True
-                accepted.append(c)
-                break
-            r[x] = 0.0
-            total = r.sum()
-            r = r / total if total > 0 else probs[node].double()
-        if not moved:
-            return Verdict(accepted, int(torch.multinomial(r, 1, generator=gen)))
+    return lossy_tree(tree, probs, Rule(), gen)  # the lossless gate r[x] in the one sibling-retry walk
 
 
 def sample_chain(
