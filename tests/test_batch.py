@@ -11,6 +11,7 @@ from specgraft.pruning import SparseGate
 from specgraft.sampling import SamplingParams
 
 from .conftest import tiny_llama
+from .stattest import N_NEGATIVE, check_loop, with_negative_control
 from .test_decode import run
 from .test_head import random_head
 
@@ -51,3 +52,34 @@ def test_graft_batch_fills_fixed_slots_from_one_shared_matrix():
         assert c["offered_retrieval"] + c["offered_draft"] <= 10 * len(steps)
         assert sum(d.stages.values()) == len(steps)  # a stage decision (or none) at every step
     assert all(d.matrix is shared for d in drafters) and shared.rows_filled > 0
+
+
+@with_negative_control
+def test_batch_sampling_matches_ar(broken, monkeypatch):
+    """Under sampling each request of a batch follows the AR distribution: two requests per batch (the same
+    prompt, own generators), the first three tokens of both pooled; the negative control breaks the verifier
+    the batch loop calls and must fail."""
+    import specgraft.batch
+
+    from .stattest import broken_verify_tree
+    from .test_decode import exact_ar_joint
+
+    vocab = 6
+    target = tiny_llama(vocab=vocab, scale=3.0, seed=3)
+    params = SamplingParams(temperature=0.9, top_k=5)
+    prompt = [1, 2, 3, 1, 2]
+    exact = exact_ar_joint(target, prompt, params, vocab)
+    if broken:
+        monkeypatch.setattr(specgraft.batch, "verify_tree", broken_verify_tree)
+
+    def sample(n: int) -> dict:
+        counts: dict = {}
+        for i in range(n // 2):  # seed 2i: generators 2i and 2i + 1, distinct for every request of the run
+            drafters = [make_drafter("recycle", vocab, scope="hot") for _ in range(2)]
+            res = decode_batch(target, drafters, [prompt, prompt], SamplingParams(0.9, 5, seed=2 * i), 3, 8, set())
+            for out in res.outputs:
+                counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+        return counts
+
+    n = N_NEGATIVE if broken else 4000
+    check_loop(monkeypatch, broken, sample, exact, n, "batch")

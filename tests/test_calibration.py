@@ -76,3 +76,14 @@ def test_calibration_run_saves_loads_and_resumes(tmp_path):
     assert again.meta["steps"] == cal.meta["steps"] and again.meta["seconds"] == pytest.approx(cal.meta["seconds"])
     with pytest.raises(SpecgraftError, match="no calibration"):
         Calibration.load(tmp_path / "nothing")
+
+
+def test_provenance_states_data_size_and_fallbacks():
+    cal = Calibration(meta={"data": "sharegpt (default)", "skip": 1000, "rounds": 8,
+                            "fits": {"0": {"n": 164, "rule": "fallback (< 200 observations)"},
+                                     "1": {"n": 250, "rule": "first bin with monotone rate >= 0.5"}},
+                            "tail_fit": {"n": 0, "rule": "fallback (< 200 observations)"}})
+    p = cal.provenance()
+    assert p["data"] == "sharegpt (default)" and p["skip"] == 1000 and p["observations"] == {"0": 164, "1": 250}
+    assert p["fallback_thresholds"] == ["0"] and p["tail_fallback"] and p["tail_observations"] == 0
+    assert Calibration().provenance()["data"] == "unrecorded"

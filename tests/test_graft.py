@@ -64,9 +64,6 @@ def test_merge_docstring_example():
     assert h.source == [0, 1, 1, 1, 2, 2] and (h.n_retrieved, h.n_dedup) == (2, 1)  # f does not fit
     h = graft_merge(tokens, parents, retrieved, tpl_parents, slots=5, n_template=4)
     assert h.tokens[-1] == 15 and h.parents[-1] == 5  # f under e, once there is room
-    # dedup="none": the duplicate takes a slot of its own
-    h = graft_merge(tokens, parents, retrieved, tpl_parents, slots=2, n_template=4, dedup="none")
-    assert h.tokens == [99, 10, 12, 11, 10, 13] and h.n_dedup == 0
     # dedup="skip": the duplicate merges (d still attaches under a) and its slot goes to the root row's next
     # rank that is not a child yet (row of 99 = [10, 11, 16]: 10 and 11 are children, so 16)
     h = graft_merge(tokens, parents, retrieved, tpl_parents, slots=2, n_template=4, dedup="skip",

@@ -88,3 +88,50 @@ def test_exactness_check_fails_on_mismatch_and_missing(tmp_path, tiny_engine):
     rep = load([str(out)])
     assert rep.mismatches["pld"] == [((victim["dataset"], victim["prompt_id"], victim["turn"], 0), 3)]
     assert any("pld has no record" in m for m in rep.missing) and not rep.ok
+
+
+def test_warmup_is_outside_the_data_and_order_rotates_over_the_run(tmp_path, tiny_engine):
+    """Warm-up never runs an evaluation prompt; the method order rotates over the whole run (across
+    datasets), so with one prompt per dataset every method still leads once."""
+    from specgraft.harness import WARMUP_PROMPT
+
+    datasets = []
+    for name in ("a", "b", "c"):
+        f = tmp_path / f"{name}.jsonl"
+        f.write_text(json.dumps({"id": name, "prompt": f"Say {name} three times."}) + "\n")
+        datasets.append({"name": str(f)})
+    cfg = BenchConfig(model="tiny", dtype="float32", max_new_tokens=4, warmup=1, seeds=[0], datasets=datasets,
+                      methods=[{"name": "pld"}, {"name": "recycle"}], score=False)
+    calls = []
+    real = tiny_engine.generate
+
+    def spy(prompt, method, **kw):
+        calls.append((prompt if isinstance(prompt, str) else prompt[-1]["content"], method))
+        return real(prompt, method, **kw)
+
+    tiny_engine.generate = spy
+    try:
+        run_harness(cfg, str(tmp_path / "r.jsonl"), engine=tiny_engine, log=lambda m: None)
+    finally:
+        del tiny_engine.generate
+    warm, timed = calls[:3], calls[3:]
+    assert all(p == WARMUP_PROMPT for p, _ in warm) and {m for _, m in warm} == {"ar", "pld", "recycle"}
+    assert all(p != WARMUP_PROMPT for p, _ in timed)
+    leads = [timed[i][1] for i in range(0, 9, 3)]  # the first method of each prompt
+    assert leads == ["ar", "pld", "recycle"]
+
+
+def test_noise_pairs_and_spec_in_records(tmp_path, tiny_engine):
+    """A ``label`` key runs one configuration twice; records carry the label-free configuration, and the
+    model field is the target's (a drafter's own model option is ``draft_model``)."""
+    specs = expand_methods([{"name": "pld"}, {"name": "pld", "label": "pld#2"}])
+    assert [s.label for s in specs] == ["ar", "pld", "pld#2"] and specs[1].describe() == specs[2].describe()
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"id": "x", "prompt": "Say hi."}) + "\n")
+    cfg = BenchConfig(model="tiny", dtype="float32", max_new_tokens=4, datasets=[{"name": str(f)}],
+                      methods=[{"name": "pld"}, {"name": "pld", "label": "pld#2"}], score=False)
+    run_harness(cfg, str(tmp_path / "r.jsonl"), engine=tiny_engine, log=lambda m: None)
+    recs, _ = read_records(tmp_path / "r.jsonl")
+    by = {r["label"]: r for r in recs}
+    assert by["pld"]["spec"] == by["pld#2"]["spec"] != by["ar"]["spec"]
+    assert "dirty" in by["pld"]

@@ -10,8 +10,8 @@ from specgraft.sampling import SamplingParams
 from specgraft.training.ttt import unroll
 
 from .conftest import tiny_llama
+from .stattest import N_NEGATIVE, check_loop, with_negative_control
 from .test_decode import exact_ar_joint, run, sample_counts
-from .test_verify import assert_matches
 
 
 def random_head(target, draft_ids, intermediate=48, seed=1) -> Eagle3Head:
@@ -89,7 +89,8 @@ def test_eagle_greedy_equality_and_budget():
         assert max(sizes) == min(budget, top_k + depth * top_k ** 2)  # the rerank fills the budget from its pool
 
 
-def test_eagle_sampling_through_the_loop_matches_ar():
+@with_negative_control
+def test_eagle_sampling_through_the_loop_matches_ar(broken, monkeypatch):
     vocab = 6
     target = tiny_llama(vocab=vocab, layers=4, scale=3.0, seed=3)
     params = SamplingParams(temperature=0.9, top_k=5, seed=0)
@@ -98,6 +99,5 @@ def test_eagle_sampling_through_the_loop_matches_ar():
     backend = TargetBackend(target)
     drafter = make_drafter("eagle", vocab, target=target, head=random_head(target, [0, 1, 2, 4], seed=4), top_k=2,
                            depth=2)
-    n = 5000
-    counts = sample_counts(backend, drafter, prompt, params, 5, n)
-    assert_matches(counts, exact, n, "eagle tree")
+    check_loop(monkeypatch, broken, lambda n: sample_counts(backend, drafter, prompt, params, 5, n), exact,
+               N_NEGATIVE if broken else 5000, "eagle tree")

@@ -1,6 +1,7 @@
 """Real-model exactness on SmolLM2-135M-Instruct in fp32: every lossless method equals AR token for token."""
 
 import pytest
+import torch
 
 from specgraft import SamplingParams
 from specgraft.errors import SpecgraftError
@@ -98,7 +99,9 @@ def test_hf_assisted_reference_matches_ar(smollm2_engine):
     ref = engine.generate(PROMPTS[0], "ar", max_new_tokens=48)
     g = engine.generate(PROMPTS[0], "hf_assisted", max_new_tokens=48, model="smollm2-135m")
     assert_greedy_equal(engine, ref, g, "hf_assisted")
-    assert g.stats.mat > 3 and g.config["drafter"] == {"method": "hf_assisted"}
+    assert g.stats.mat > 2 and g.config["drafter"] == {"method": "hf_assisted"}  # 48 tokens in 16 calls here
+    # every target call verifies candidates (HF's first call too): MAT = tokens / calls, nothing dropped
+    assert sum(g.stats.committed) == len(g.token_ids) and g.stats.steps == len(g.stats.committed)
     with pytest.raises(SpecgraftError, match="stop strings"):
         engine.generate(PROMPTS[0], "hf_assisted", max_new_tokens=8, stop=("x",), model="smollm2-135m")
 
@@ -127,8 +130,37 @@ def test_graft_variants_equal_ar_greedy_fp32(smollm2_engine):
             ties += tie
             exact += not tie
             d = g.config["drafter"]
+            assert g.config["model"] == engine.model_name and "model" not in d  # the target, not the draft
             assert d["counters"]["offered_draft"] + d["counters"]["offered_retrieval"] <= \
                 g.config["budget"] * g.stats.steps
             retrieved += d["counters"].get("accepted_retrieval", 0)
     assert ties <= len(GRAFT_METHODS) and exact >= 4 * len(GRAFT_METHODS) - len(GRAFT_METHODS)
     assert retrieved > 0  # grafted nodes are really accepted on real text
+
+
+def test_hf_assisted_passes_truncation_sampling(monkeypatch):
+    """min-p / eta reach transformers' own warpers, and MAT = new tokens / target calls."""
+    import types
+
+    from specgraft import reference
+    from specgraft.sampling import SamplingParams
+
+    seen = {}
+
+    class FakeTarget:
+        def register_forward_hook(self, fn):
+            self.fn = fn
+            return types.SimpleNamespace(remove=lambda: None)
+
+        def generate(self, ids, **kw):
+            seen.update(kw)
+            for _ in range(3):  # three verification calls
+                self.fn()
+            return torch.cat([ids, torch.tensor([[5, 6, 7, 8, 9, 10, 11]])], 1)
+
+    engine = types.SimpleNamespace(backend=types.SimpleNamespace(model=FakeTarget()), dtype="float32",
+                                   vocab_size=16, eos_ids={15})
+    monkeypatch.setattr(reference, "_assistant", lambda *a: object())
+    new, st = reference.hf_assisted(engine, [1, 2], SamplingParams(0.7, min_p=0.2, eta=0.01, seed=1), 16, "x")
+    assert seen["min_p"] == 0.2 and seen["eta_cutoff"] == 0.01 and seen["do_sample"]
+    assert new == [5, 6, 7, 8, 9, 10, 11] and st.steps == 3 and abs(st.mat - 7 / 3) < 1e-9

@@ -5,7 +5,8 @@ with the *unpruned* tree (or full draft chain) and online matrix updates. Per st
 
 - tree drafters: at each checkpoint level ``d`` the confidence ``c_d`` (best cumulative path probability)
   and ``y_d`` = 1 if the accepted path holds a draft node deeper than level ``d`` (drafting past d paid off);
-- chain drafters: for each drafted token ``j`` its cumulative probability and whether it was accepted;
+- chain drafters: for each drafted token ``j`` the runtime's stop statistic ``s_j = prod_{i<j} q_i(y_i) *
+  max q_j`` (decided before ``y_j`` is drawn; see ``DraftModelDrafter.chain``) and whether it was accepted;
 - the score rank of every accepted node (``autotune`` replays any smaller budget from them exactly);
 - how often the target's next token sat at rank ``r`` of the matrix row (the templates' rank weights).
 
@@ -58,6 +59,18 @@ class Calibration:
             t = next((e for e, r in zip(f["bin_lower_edges"], f["rate"]) if r >= rho), CLAMP[1])
             out.append(min(max(t, CLAMP[0]), CLAMP[1]))
         return tuple(out)
+
+    def provenance(self) -> dict:
+        """What a record should say about this calibration: data, size, and where a fallback was used."""
+        m = self.meta
+        fits = m.get("fits", {})
+        tail = m.get("tail_fit", {})
+        return {"data": m.get("data", "unrecorded"), "skip": m.get("skip"), "rounds": m.get("rounds"),
+                "extra_conversations": m.get("extra_conversations"), "max_new_tokens": m.get("max_new_tokens"),
+                "budget": m.get("budget"), "date": m.get("date"),
+                "observations": {d: f.get("n") for d, f in fits.items()},
+                "fallback_thresholds": [d for d, f in fits.items() if "fallback" in f.get("rule", "")],
+                "tail_observations": tail.get("n"), "tail_fallback": "fallback" in tail.get("rule", "fallback")}
 
     def save(self, out: Path) -> None:
         from safetensors.torch import save_file
@@ -145,8 +158,8 @@ class _Recorder:
 
     def propose(self, ctx):
         if self.chain:
-            drafts, _, cum = self.inner.chain(ctx, ctx.budget)
-            self._step = {"cum": cum}
+            drafts, _, stop_stats = self.inner.chain(ctx, ctx.budget)
+            self._step = {"stop_stats": stop_stats}  # the statistic the runtime stop compares with tau_tail
             return Tree.chain(ctx.ids[-1], drafts)
         cands = self.inner.draft(ctx, None)
         if cands is None:
@@ -167,7 +180,7 @@ class _Recorder:
             if hit.numel():
                 self.rank_hits[int(hit[0])] += 1
         if self.chain:
-            for j, c in enumerate(self._step["cum"]):
+            for j, c in enumerate(self._step["stop_stats"]):
                 self.tail_conf.append(c)
                 self.tail_outcome.append(int(a > j))
         else:

@@ -194,19 +194,27 @@ def report(
     strict: bool = typer.Option(False, help="Fail on any greedy divergence from AR, bf16 included."),
     lossy: bool = typer.Option(False, "--lossy", help="Also the quality-efficiency table of LOSSY rules, each next "
                                "to its correct baseline (and quality_vs_mat.png with --plots)."),
+    reference: Optional[str] = typer.Option(None, help="A method label: also speedups vs it, with 95% intervals."),
+    goal: Optional[list[str]] = typer.Option(None, help="LABEL>REF:RATIO (REF may be ar), repeatable; met only "
+                                             "when the 95% interval's lower bound >= RATIO. mat:LABEL>REF:RATIO "
+                                             "compares MAT."),
 ) -> None:
-    """Tables per category and overall, the exactness check, and plots. Exit 1 if the check fails."""
+    """Tables per category and overall, intervals, goals, the exactness check, and plots. Exit 1 if the check
+    fails."""
     from pathlib import Path
 
     from .report import load, markdown, plots
+    from .report_stats import parse_goal
 
+    for g in goal or []:
+        parse_goal(g)  # a bad goal fails before any file is read
     for r in records:
         if not Path(r).exists():
             raise SpecgraftError(f"records file not found: {r}")
     rep = load(records)
     if not rep.records:
         raise SpecgraftError("no complete records in " + ", ".join(records))
-    text = markdown(rep, command)
+    text = markdown(rep, command, reference=reference, goals=goal)
     if lossy:
         from .harness import read_records
         from .lossy_report import markdown as lossy_markdown
@@ -317,7 +325,7 @@ def calibrate(
 
     from rich.progress import Progress
 
-    from .calibration import run_calibration
+    from .calibration import MIN_OBS, run_calibration
     from .datasets import load_conversations
     from .decode import Engine
     from .drafters import INNER_KINDS, _inner, calibration_dir
@@ -354,11 +362,16 @@ def calibrate(
                               progress=lambda d, t, w: bar.update(task, completed=d, total=t, description=w),
                               state_path=state)
     cal.meta.update(drafter=drafter, head=head if drafter == "eagle" else None,
-                    draft_model=draft_model if drafter != "eagle" else None)
+                    draft_model=draft_model if drafter != "eagle" else None,
+                    data=data or "sharegpt (default)", skip=skip)
     cal.save(out_dir)
     state.unlink(missing_ok=True)
     m = cal.meta
     taus = ", ".join(f"{t:.3f}" for t in cal.thresholds)
+    fallback = cal.provenance()["fallback_thresholds"]
+    if fallback:
+        print(f"warning: checkpoint(s) {', '.join(fallback)} used the fallback threshold (fewer than "
+              f"{MIN_OBS} observations: {cal.provenance()['observations']}); use more --rounds", file=sys.stderr)
     print(f"calibration: {out_dir}: thresholds (levels 0/1/5) {taus}, tau_tail {cal.tau_tail:.3f}; matrix "
           f"{m['rows_filled']} rows ({m['populated_bytes'] / 1e6:.2f} MB populated) from {m['rounds']} rounds "
           f"({m['tokens']} tokens) + {m['extra_conversations']} teacher-forced; {m['seconds']:.0f} s", file=sys.stderr)

@@ -194,8 +194,11 @@ LOADERS = {"mtbench": load_mtbench, "humaneval": load_humaneval, "mbpp": load_mb
 
 
 def load_dataset(source: str, limit: int | None = None, stride: int = 1, categories: list[str] | None = None,
-                 path: str | None = None, max_turns: int | None = None) -> list[Item]:
-    """A named dataset (optionally from ``path``) or a file; then category filter, stride, limit, turn cap."""
+                 path: str | None = None, max_turns: int | None = None, offset: int = 0) -> list[Item]:
+    """A named dataset (optionally from ``path``) or a file; then category filter, ``offset`` + stride, limit,
+    turn cap. ``offset`` picks a disjoint split with the same stride (e.g. a dev split beside the eval one)."""
+    if not isinstance(offset, int) or offset < 0:
+        raise SpecgraftError(f"dataset offset must be an integer >= 0, got {offset!r}")
     if source in LOADERS:
         items = LOADERS[source](path)
     elif Path(source).suffix in (".jsonl", ".txt", ".md", ".gz"):
@@ -204,7 +207,7 @@ def load_dataset(source: str, limit: int | None = None, stride: int = 1, categor
         raise SpecgraftError(f"unknown dataset '{source}'; use {', '.join(LOADERS)} or a .jsonl/.txt file")
     if categories:
         items = [it for it in items if it.category in categories]
-    items = [it for it in items if any(t.strip() for t in it.turns)][::stride]
+    items = [it for it in items if any(t.strip() for t in it.turns)][offset::stride]
     if limit:
         items = items[:limit]
     if max_turns:

@@ -208,9 +208,11 @@ class Engine:
         if need > self.backend.max_positions:
             raise SpecgraftError(f"prompt too long: {len(ids)} tokens + {max_new_tokens} new (+ {budget + 1} tree "
                                  f"slots) exceeds the model's {self.backend.max_positions} positions")
+        # A drafter's own ``model`` option (the draft model) is recorded as ``draft_model``: ``model`` is the target.
+        options = {**{k: v for k, v in DEFAULTS[method].items() if k != "budget"},
+                   **{k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in method_options.items()}}
         config = {"model": self.model_name, "dtype": self.dtype, "method": method, "budget": budget,
-                  **{k: v for k, v in DEFAULTS[method].items() if k != "budget"},
-                  **{k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in method_options.items()},
+                  **{("draft_model" if k == "model" else k): v for k, v in options.items()},
                   "sampling": sampling.to_dict(), "max_new_tokens": max_new_tokens, "chat": chat,
                   "stop": list(stop), "verify": rule.spec, "lossy": rule.lossy,
                   **({"budget_auto": auto} if auto else {})}

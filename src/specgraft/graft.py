@@ -173,9 +173,10 @@ def graft_merge(tokens: list[int], parents: list[int], retrieved: list[int], tpl
     the root) into the draft tree ``tokens``/``parents`` (root first) by token identity under the same
     parent, adding at most ``slots`` new nodes; template first, then the reserve while slots remain.
 
-    ``dedup="none"`` adds duplicates as new nodes (still lossless, wastes slots) and ignores the reserve.
-    ``dedup="skip"``: a duplicate still merges (its children attach), and its slot goes to the next rank of the
-    parent's matrix row (``row(token) -> successors``) that is not already a child there.
+    A duplicate never takes a slot of its own (the verification walk enters only the first of equal siblings,
+    so a second copy and its subtree would be unreachable). ``dedup="skip"``: a duplicate still merges (its
+    children attach), and its slot goes to the next rank of the parent's matrix row (``row(token) ->
+    successors``) that is not already a child there.
     """
     out_t, out_p = list(tokens), list(parents)
     source = [0] + [source_draft] * (len(tokens) - 1)
@@ -188,7 +189,7 @@ def graft_merge(tokens: list[int], parents: list[int], retrieved: list[int], tpl
         if tok < 0 or tp not in merged:
             continue
         m_par = merged[tp]
-        if dedup in ("merge", "skip") and (m_par, tok) in index:
+        if (m_par, tok) in index:
             merged[u] = index[(m_par, tok)]
             dup += 1
             if dedup == "skip" and row is not None and added < slots:

@@ -1,8 +1,10 @@
 """Benchmark harness: methods from a config (with sweeps), interleaved per prompt, AR always the baseline,
 one JSONL record per turn, resumable.
 
-Protocol: one process, one loaded model; a warm-up generation per method before anything is timed; for
-each prompt every method runs back to back, the order rotated per prompt; fixed seeds; multi-turn
+Protocol: one process, one loaded model; a warm-up generation per method before anything is timed, on a
+fixed prompt that is in no dataset (so no evaluation prompt's successors are in a retrieval matrix before its
+timed run); for each prompt every method runs back to back, the order rotated by one place per prompt over the
+whole run (across datasets and seeds, so no method always runs first); fixed seeds; multi-turn
 conversations run turn by turn with the chat template, each method continuing its own previous answers.
 A conversation's records are written together and flushed, so an interrupted run resumes at the first
 conversation that is not complete (a half-written last line is dropped on resume).
@@ -15,7 +17,6 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -39,10 +40,19 @@ class MethodSpec:
     def params(self, base: SamplingParams) -> SamplingParams:
         return replace(base, **self.sampling) if self.sampling else base
 
+    def describe(self) -> dict:
+        """The configuration without its label: equal for two runs of one configuration (the noise pairs)."""
+        return {"method": self.method, "options": dict(sorted(self.options.items())), "verify": self.verify,
+                "sampling": dict(sorted(self.sampling.items()))}
+
 
 # Keys a method entry may carry besides its drafter options: the verification rule and truncation sampling
-# (the correct baselines of the lossy truncation rules).
-LOOP_KEYS = ("verify", "min_p", "eta")
+# (the correct baselines of the lossy truncation rules), and ``label`` (two entries of one configuration under
+# different labels measure the run's noise).
+LOOP_KEYS = ("verify", "min_p", "eta", "label")
+
+# The warm-up prompt: outside every dataset, so warming up never runs (or retrieves from) an evaluation prompt.
+WARMUP_PROMPT = "List four uses of a paperclip, one per line, then say which is the most surprising and why."
 
 
 @dataclass
@@ -94,7 +104,8 @@ def expand_methods(entries: list[dict], add_ar: bool = True) -> list[MethodSpec]
         values = [v if isinstance(v, list) else [v] for v in (entry[k] for k in keys)]
         for combo in itertools.product(*values):
             opts = dict(zip(keys, combo))
-            label = name + (":" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else "")
+            custom = opts.pop("label", None)
+            label = custom or name + (":" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else "")
             verify = opts.pop("verify", "lossless")
             samp = {k: opts.pop(k) for k in ("min_p", "eta") if k in opts}
             specs.append(MethodSpec(label, name, opts, verify, samp))
@@ -199,6 +210,17 @@ def repair_for_resume(path: str | Path) -> tuple[set, int]:
     return keys, dropped
 
 
+def run_order(seeds: list[int], plan: list[tuple[str, list[Item]]]) -> list[tuple[int, str, Item]]:
+    """Every (seed, dataset, item) of the run, in the order they run."""
+    return [(seed, dname, item) for seed, (dname, items) in itertools.product(seeds, plan) for item in items]
+
+
+def rotated(specs: list, g: int) -> list:
+    """The method order for the run's ``g``-th prompt: rotated by ``g`` places (each method leads in turn)."""
+    k = g % len(specs)
+    return specs[k:] + specs[:k]
+
+
 def run_conversation(engine, item: Item, spec: MethodSpec, sampling: SamplingParams, max_new_tokens: int,
                      stop: tuple[str, ...] = ()):
     messages, out = [], []
@@ -217,6 +239,7 @@ def make_record(cfg: BenchConfig, env: dict, dataset: str, item: Item, spec: Met
     rec = {
         "schema": SCHEMA_VERSION, "dataset": dataset, "prompt_id": item.id, "category": item.category,
         "turn": turn, "n_turns": len(item.turns), "seed": seed, "label": spec.label, "method": spec.method,
+        "spec": spec.describe(),
         "method_config": g.config, "model": cfg.model, "dtype": cfg.dtype, "max_new_tokens": cfg.max_new_tokens,
         "sampling": g.config["sampling"], "greedy": cfg.temperature == 0.0,
         "verify": g.config.get("verify", "lossless"), "lossy": bool(g.config.get("lossy", False)),
@@ -249,41 +272,36 @@ def run_harness(cfg: BenchConfig, out_path: str, progress=None, log=print, engin
                 check_lossy(rule, spec.method, spec.options, params)
     stops = {d.get("name"): tuple(d.get("stop", ())) for d in cfg.datasets}  # per dataset, e.g. a code fence
     plan = [(d.get("name"), load_dataset(d["name"], d.get("limit"), d.get("stride", 1), d.get("categories"),
-                                         d.get("path"), d.get("max_turns"))) for d in cfg.datasets]
+                                         d.get("path"), d.get("max_turns"), d.get("offset", 0)))
+            for d in cfg.datasets]
     complete, dropped = repair_for_resume(out_path) if Path(out_path).exists() else (set(), 0)
     if complete or dropped:
         log(f"resume: {len(complete)} conversations already recorded; {dropped} incomplete line(s) dropped")
     engine = engine or Engine(cfg.model, cfg.dtype)
     env = environment()
-    first = plan[0][1][0]
     for spec in specs:
         engine.drafter(spec.method, **spec.options)
         for _ in range(cfg.warmup):
-            engine.generate(first.turns[0], spec.method, sampling=spec.params(cfg.sampling(cfg.seeds[0])),
+            engine.generate(WARMUP_PROMPT, spec.method, sampling=spec.params(cfg.sampling(cfg.seeds[0])),
                             verify=spec.verify, max_new_tokens=min(32, cfg.max_new_tokens), **spec.options)
     total = sum(len(items) for _, items in plan) * len(specs) * len(cfg.seeds)
     ran = skipped = 0
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "a", encoding="utf-8") as out:
-        for seed, (dname, items) in itertools.product(cfg.seeds, plan):
+        for g, (seed, dname, item) in enumerate(run_order(cfg.seeds, plan)):
             sampling = cfg.sampling(seed)
-            for i, item in enumerate(items):
-                order = specs[i % len(specs):] + specs[: i % len(specs)]
-                for spec in order:
-                    if (dname, item.id, spec.label, seed) in complete:
-                        skipped += 1
-                    else:
-                        gens = run_conversation(engine, item, spec, sampling, cfg.max_new_tokens, stops[dname])
-                        lines = [json.dumps(make_record(cfg, env, dname, item, spec, seed, t, g,
-                                                        score if cfg.score else None)) for t, g in enumerate(gens)]
-                        out.write("\n".join(lines) + "\n")
-                        out.flush()
-                        os.fsync(out.fileno())
-                        ran += 1
-                    if progress:
-                        progress(ran + skipped, total, f"{dname} {item.id} {spec.label} seed={seed}")
+            for spec in rotated(specs, g):
+                if (dname, item.id, spec.label, seed) in complete:
+                    skipped += 1
+                else:
+                    gens = run_conversation(engine, item, spec, sampling, cfg.max_new_tokens, stops[dname])
+                    lines = [json.dumps(make_record(cfg, env, dname, item, spec, seed, t, gen,
+                                                    score if cfg.score else None)) for t, gen in enumerate(gens)]
+                    out.write("\n".join(lines) + "\n")
+                    out.flush()
+                    os.fsync(out.fileno())
+                    ran += 1
+                if progress:
+                    progress(ran + skipped, total, f"{dname} {item.id} {spec.label} seed={seed}")
     return {"ran": ran, "skipped": skipped, "total": total}
 
-
-def print_err(msg: str) -> None:
-    print(msg, file=sys.stderr)

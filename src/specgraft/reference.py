@@ -2,8 +2,9 @@
 
 Not one of our drafters: it runs HF's loop (its draft length heuristic, its cache) on the same prompts,
 so a benchmark can show where our draft-model drafter stands against the library users already have.
-Steps are counted with a forward hook on the target (one call = one verification, prefill excluded), so
-MAT = new tokens / steps is comparable with ours.
+Steps are counted with a forward hook on the target. HF's first call runs the prompt *and* verifies the
+first candidates, so every call is a verification and MAT = new tokens / target calls (our loops count the
+token from the prefill as well and MAT over verification steps; the two agree up to that one token).
 """
 
 from __future__ import annotations
@@ -45,8 +46,14 @@ def hf_assisted(engine, ids: list[int], sampling: SamplingParams, max_new_tokens
     if sampling.greedy:
         kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     else:
+        # min-p / eta truncation: HF's own warpers (the ones SamplingParams mirrors), so the reference runs
+        # the same sampling problem as our methods.
         kw.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
                   top_k=sampling.top_k or None)
+        if sampling.min_p:
+            kw["min_p"] = sampling.min_p
+        if sampling.eta:
+            kw["eta_cutoff"] = sampling.eta
     if not sampling.greedy and sampling.seed is not None:
         torch.manual_seed(sampling.seed)
     t0 = time.perf_counter()
@@ -60,7 +67,8 @@ def hf_assisted(engine, ids: list[int], sampling: SamplingParams, max_new_tokens
     stats.total_s = time.perf_counter() - t0
     new = out[0, len(ids):].tolist()
     stats.new_tokens = len(new)
-    steps = max(1, len(calls) - 1)  # the first call is the prefill
+    steps = max(1, len(calls))  # every call verifies candidates, the first one included
     stats.steps = steps
-    stats.committed = [round((len(new) - 1) / steps, 4)] * steps if len(new) > 1 else []
+    # HF does not report per-call acceptance: spread the tokens over the calls (integers summing to len(new)).
+    stats.committed = [len(new) // steps + (i < len(new) % steps) for i in range(steps)] if new else []
     return new, stats

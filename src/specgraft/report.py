@@ -2,7 +2,7 @@
 
 Speedups come only from records in the same file(s), on the keys (dataset, prompt, turn, seed) that both AR
 and the method have: greedy ``T_AR / T_method``; sampling per-token ``(T_AR/n_AR) / (T_method/n_method)``.
-MAT includes the bonus token (AR = 1).
+MAT includes the bonus token (AR = 1). Intervals, goals, measured noise and provenance: :mod:`.report_stats`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import report_stats as rs
 from .harness import complete_conversations, read_records
 
 
@@ -181,10 +182,15 @@ def _graft_table(recs: list[dict], labels: list[str]) -> list[str]:
             "|---|---|---|---|---|---|---|---|---|", *rows]
 
 
-def markdown(rep: Report, command: str | None = None) -> str:
+def markdown(rep: Report, command: str | None = None, reference: str | None = None,
+             goals: list[str] | None = None) -> str:
+    """The report; ``reference`` adds speedups vs that label, ``goals`` (``LABEL>REF:RATIO``) adds verdicts.
+    Raises SpecgraftError on a bad goal or an unknown label."""
     recs = rep.records
     if not recs:
         return "no records\n"
+    parsed = rs.check_labels(rep.labels, reference, [rs.parse_goal(g) for g in goals or []])
+    pp = rs.per_prompt(recs)
     greedy = all(r["greedy"] for r in recs)
     first = recs[0]
     lines = ["# specgraft benchmark report", ""]
@@ -194,15 +200,20 @@ def markdown(rep: Report, command: str | None = None) -> str:
               f"sampling: {first['sampling']}",
               f"- machine: {first['machine']['cpu']}, {first['machine']['cores']} cores, "
               f"{first['machine']['threads']} threads; versions: {first['versions']}",
-              f"- commit(s): {sorted({str(r['commit']) + ('+dirty' if r.get('dirty') else '') for r in recs})}",
+              *rs.commit_lines(recs),
               f"- retrieval state: {sorted({r['label'] + '=' + r['retrieval_state'] for r in recs if r['retrieval_state']})}",
               "- MAT includes the bonus token (AR = 1). Speedup: AR time per token / method time per token, on the "
               "same prompts in the same run (equal to the wall-time ratio when outputs are identical).", ""]
     lines += ["## Overall", ""] + _table(aggregate(recs, rep.labels, lambda r: "all"), rep.labels, greedy)
+    lines += rs.noise_lines(pp, rs.noise_pairs(recs, rep.labels))
+    lines += rs.interval_table(pp, rep.labels, reference)
+    lines += rs.goal_lines(pp, parsed)
     lines += ["", "## Per dataset", ""] + _table(aggregate(recs, rep.labels, lambda r: r["dataset"]), rep.labels, greedy)
     lines += ["", "## Per category", ""] + _table(
         aggregate(recs, rep.labels, lambda r: f"{r['dataset']}/{r['category']}"), rep.labels, greedy)
+    lines += rs.prompt_table(pp, rep.labels)
     lines += _graft_table(recs, rep.labels)
+    lines += rs.calibration_lines(recs, rep.labels)
     lines += ["", "## Exactness (greedy outputs vs AR, by token ids)", ""]
     dtypes = {r["dtype"] for r in recs}
     for label in rep.labels[1:]:

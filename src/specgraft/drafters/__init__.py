@@ -163,7 +163,8 @@ def _graft(method: str, opts: dict, vocab_size: int, dtype: str, target, target_
         param = None if opts["param"] == "auto" else float(opts["param"])
         policy = make_policy(opts["policy"], thresholds, param)
         return GraftDrafter(inner, vocab_size, "prune", policy, name=f"prune-{opts['policy']}", calibration=where,
-                            tau_tail=cal.tau_tail if cal else 0.1)
+                            tau_tail=cal.tau_tail if cal else 0.1,
+                            calibration_info=cal.provenance() if cal else None)
     k = opts["k"]
     # matrix: "auto" = the calibration's warm-up snapshot, "cold" = none, or another calibration directory's
     src = cal if opts["matrix"] == "auto" else None
@@ -180,7 +181,8 @@ def _graft(method: str, opts: dict, vocab_size: int, dtype: str, target, target_
     return GraftDrafter(inner, vocab_size, opts["variant"], make_policy("echo", thresholds), k=k,
                         scope=opts["scope"], snapshot=snapshot, dedup=opts["dedup"],
                         tau_tail=cal.tau_tail if cal else 0.1, rank_weights=cal.rank_weights if cal else None,
-                        calibration=where, sweep=sweep, matrix_source=str(opts["matrix"]))
+                        calibration=where, sweep=sweep, matrix_source=str(opts["matrix"]),
+                        calibration_info=cal.provenance() if cal else None)
 
 
 __all__ = ["DraftModelDrafter", "EagleDrafter", "DEFAULTS", "METHODS", "DraftContext", "Drafter", "NoDraft", "PromptLookup", "TokenRecycling",

@@ -62,11 +62,13 @@ class DraftModelDrafter:
 
     def chain(self, ctx: DraftContext, gamma: int, tau: float | None = None
               ) -> tuple[list[int], torch.Tensor | None, list[float]]:
-        """Draft up to ``gamma`` tokens; with ``tau``, stop before token i when ``prod_{j<i} q_j(y_j) * max q_i``
-        falls below it (under greedy: the cumulative probability of the would-be token; at least one is kept).
+        """Draft up to ``gamma`` tokens; with ``tau``, stop before token i when its *stop statistic*
+        ``s_i = prod_{j<i} q_j(y_j) * max q_i`` falls below it (at least one token is kept). ``s_i`` is known
+        before ``y_i`` is drawn, so the decision never depends on the token it would propose (under greedy it
+        equals the cumulative probability of the would-be token; under sampling it does not).
 
-        Returns the tokens, their ``q`` rows (sampling; row 0 for the root, zeros) and the cumulative
-        probabilities of the kept tokens.
+        Returns the tokens, their ``q`` rows (sampling; row 0 for the root, zeros) and ``s_i`` of every kept
+        token (what calibration fits ``tau_tail`` on: the statistic the runtime compares).
         """
         self.base, self.drafted = len(ctx.ids), 0
         if gamma <= 0:
@@ -76,17 +78,18 @@ class DraftModelDrafter:
             # The draft's randomness is its own, independent of the verifier's (seeded for reproducibility).
             self.gen = make_generator(None if params.seed is None else params.seed + 7919)
         logits = self._feed(ctx.ids[self.cached:])
-        drafts, qs, cum, c = [], [], [], 1.0
+        drafts, qs, stop_stats, c = [], [], [], 1.0
         for i in range(gamma):
             q = target_probs(logits, params) if not params.greedy else torch.softmax(logits.float(), -1)
             # Decide to stop *before* drawing token i, from the kept prefix and q_i alone: a stop that looked
             # at the drawn token would make what is proposed depend on its own value (not lossless).
-            if tau is not None and drafts and c * float(q.max()) < tau:
+            stat = c * float(q.max())
+            if tau is not None and drafts and stat < tau:
                 break
             x = int(logits.argmax()) if params.greedy else int(torch.multinomial(q, 1, generator=self.gen))
             c *= float(q[x])
             drafts.append(x)
-            cum.append(c)
+            stop_stats.append(stat)
             if not params.greedy:
                 qs.append(q)
             if i < gamma - 1:
@@ -98,7 +101,7 @@ class DraftModelDrafter:
         probs = None
         if qs:
             probs = torch.cat([torch.zeros_like(qs[0]).unsqueeze(0), torch.stack(qs)])
-        return drafts, probs, cum
+        return drafts, probs, stop_stats
 
     def draft(self, ctx: DraftContext, gate: Gate | None = None) -> Candidates | None:
         """EAGLE-2-style dynamic tree from the draft model: beam by cumulative log-prob (``gate`` may stop
@@ -127,8 +130,10 @@ class DraftModelDrafter:
                 depth.append(d)
             for j, f in enumerate(frontier):
                 fed[f] = slots[j]
+            # The root (the last committed token) sits at position prefix_len - 1, so a node at depth d (root's
+            # children: d = 1) sits at prefix_len + d - 1, as in the chain path.
             logits = self.backend.extend(torch.tensor([toks[f] for f in frontier]),
-                                         torch.tensor(depth) + self.backend.prefix_len, visible)
+                                         torch.tensor(depth) + self.backend.prefix_len - 1, visible)
             self.forwards += 1
             logp = torch.log_softmax(logits.float(), -1)
             top = torch.topk(logp, self.top_k, dim=-1).indices

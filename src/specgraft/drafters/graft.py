@@ -40,7 +40,7 @@ class GraftDrafter:
                  scope: str = "request", snapshot: dict | None = None, dedup: str = "merge",
                  tau_tail: float = 0.1, rank_weights: tuple[float, ...] | None = None, name: str = "graft",
                  calibration: str = "fallback", sweep: tuple[int, int] | None = None,
-                 matrix_source: str = "calibration"):
+                 matrix_source: str = "calibration", calibration_info: dict | None = None):
         chain = getattr(inner, "shape", "tree") == "chain"
         variant = "tail" if chain and variant == "graft" else variant  # Graft on a chain is Graft-TAIL
         allowed = CHAIN_VARIANTS if chain else TREE_VARIANTS
@@ -49,8 +49,13 @@ class GraftDrafter:
                              f"choose one of: {', '.join(allowed)}")
         if scope not in ("request", "global"):
             raise ValueError(f"scope must be 'request' or 'global', got {scope!r}")
-        if dedup not in ("merge", "skip", "none"):
-            raise ValueError(f"dedup must be 'merge', 'skip' or 'none', got {dedup!r}")
+        if dedup == "none":
+            # A duplicate sibling is never entered (the walk takes the first match), so its retrieved subtree
+            # would only waste slots; choosing among duplicates by their subtrees would be lossy under sampling.
+            raise ValueError("dedup='none' is refused: duplicate siblings are unreachable by the verification walk; "
+                             "use 'merge' or 'skip'")
+        if dedup not in ("merge", "skip"):
+            raise ValueError(f"dedup must be 'merge' or 'skip', got {dedup!r}")
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"graft k must be an integer >= 1, got {k!r}")
         if not 0 < tau_tail <= 1:
@@ -62,6 +67,7 @@ class GraftDrafter:
         self.scope, self.snapshot, self.dedup, self.tau_tail = scope, snapshot, dedup, tau_tail
         self.rank_weights = tuple(rank_weights) if rank_weights else None
         self.calibration, self.sweep, self.matrix_source = calibration, sweep, matrix_source
+        self.calibration_info = calibration_info
         self._templates: dict[tuple, tuple] = {}
         self.requests = self.lifetime_retrieval = 0
         self.counters: Counter = Counter()
@@ -108,7 +114,8 @@ class GraftDrafter:
         return {"method": self.name, "variant": self.variant, "drafter": inner,
                 "policy": getattr(self.policy, "name", type(self.policy).__name__),
                 "thresholds": list(getattr(self.policy, "thresholds", ())) or None,
-                "calibration": self.calibration, "tau_tail": self.tau_tail if self.chain else None,
+                "calibration": self.calibration, "calibration_info": self.calibration_info,
+                "tau_tail": self.tau_tail if self.chain else None,
                 "k": self.matrix.k, "scope": self.scope, "dedup": self.dedup, "template_sweep": self.sweep,
                 "matrix_source": self.matrix_source,
                 "retrieval_state": "warm" if self.snapshot is not None else
