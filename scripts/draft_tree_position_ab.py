@@ -16,6 +16,7 @@ import time
 
 from specgraft import Engine
 from specgraft.datasets import load_dataset
+from specgraft.harness import WARMUP_PROMPT
 
 SPLITS = (("mtbench", 10, 5), ("humaneval", 20, 10), ("gsm8k", 50, 25))  # name, stride, offset (dev split)
 OPTS = {"shape": "tree", "top_k": 4, "depth": 4, "budget": 16}
@@ -38,7 +39,7 @@ def main() -> None:
         g = engine.generate(prompt, "draft", max_new_tokens=args.max_new_tokens, **OPTS)
         return g.stats.mat, g.stats.new_tokens, g.stats.total_s
 
-    run("List four uses of a paperclip, one per line.", 0)  # warm-up, outside every dataset
+    run(WARMUP_PROMPT, 0)  # warm-up, outside every dataset
     totals = {0: [0.0, 0, 0.0, 0], 1: [0.0, 0, 0.0, 0]}
     print("| prompt | MAT fixed | MAT old (+1) | tok/s fixed | tok/s old |\n|---|---|---|---|---|")
     k = 0

@@ -79,11 +79,18 @@ def test_calibration_run_saves_loads_and_resumes(tmp_path):
 
 
 def test_provenance_states_data_size_and_fallbacks():
-    cal = Calibration(meta={"data": "sharegpt (default)", "skip": 1000, "rounds": 8,
-                            "fits": {"0": {"n": 164, "rule": "fallback (< 200 observations)"},
-                                     "1": {"n": 250, "rule": "first bin with monotone rate >= 0.5"}},
-                            "tail_fit": {"n": 0, "rule": "fallback (< 200 observations)"}})
-    p = cal.provenance()
-    assert p["data"] == "sharegpt (default)" and p["skip"] == 1000 and p["observations"] == {"0": 164, "1": 250}
-    assert p["fallback_thresholds"] == ["0"] and p["tail_fallback"] and p["tail_observations"] == 0
+    tree = Calibration(meta={"data": "sharegpt (default)", "skip": 1000, "rounds": 8, "rho": 0.5, "drafter": "eagle",
+                             "fits": {"0": {"n": 164, "rule": "fallback (< 200 observations)"},
+                                      "1": {"n": 250, "rule": "first bin with monotone rate >= 0.5",
+                                            "rate": [0.1, 0.3, 0.6]},
+                                      "5": {"n": 250, "rule": "first bin with monotone rate >= 0.5",
+                                            "rate": [0.0, 0.2, 0.4]}},
+                             "tail_fit": {"n": 0, "rule": "fallback (< 200 observations)"}})
+    p = tree.provenance()
+    assert p["data"] == "sharegpt (default)" and p["skip"] == 1000
+    assert p["observations"] == {"0": 164, "1": 250, "5": 250}  # a tree reports its checkpoints, not the tail
+    assert p["fallback"] == ["0"] and p["no_bin_reached_rho"] == ["5"]
+    chain = Calibration(meta={"drafter": "draft-chain", "rho": 0.5, "fits": {"0": {"n": 0, "rule": "fallback"}},
+                              "tail_fit": {"n": 2100, "rule": "first bin", "rate": [0.2, 0.7]}})
+    assert chain.provenance()["observations"] == {"tail": 2100} and chain.provenance()["fallback"] == []
     assert Calibration().provenance()["data"] == "unrecorded"

@@ -198,7 +198,7 @@ def clone_drafter(d, shared_matrix=None):
     if isinstance(d, GraftDrafter):
         c = GraftDrafter(clone_drafter(d.inner), d.matrix.table.shape[0], d.variant, d.policy, d.matrix.k,
                          "global", None, d.dedup, d.tau_tail, d.rank_weights, d.name, d.calibration, d.sweep,
-                         d.matrix_source)
+                         d.matrix_source, d.calibration_info)
         c.matrix, c.requests = shared_matrix or d.matrix, 1  # "global": start() must not reset the shared table
         c.snapshot = d.snapshot  # for the record ("warm"); already loaded into the shared table
         return c

@@ -61,16 +61,21 @@ class Calibration:
         return tuple(out)
 
     def provenance(self) -> dict:
-        """What a record should say about this calibration: data, size, and where a fallback was used."""
+        """What a record should say about this calibration: data, size, and where a threshold did not come
+        from a fit (a fallback under ``MIN_OBS`` observations, or a clamp when no bin reached ``rho``). A chain
+        calibration reports its ``tau_tail`` fit, a tree calibration its checkpoint fits."""
         m = self.meta
-        fits = m.get("fits", {})
-        tail = m.get("tail_fit", {})
-        return {"data": m.get("data", "unrecorded"), "skip": m.get("skip"), "rounds": m.get("rounds"),
-                "extra_conversations": m.get("extra_conversations"), "max_new_tokens": m.get("max_new_tokens"),
-                "budget": m.get("budget"), "date": m.get("date"),
-                "observations": {d: f.get("n") for d, f in fits.items()},
-                "fallback_thresholds": [d for d, f in fits.items() if "fallback" in f.get("rule", "")],
-                "tail_observations": tail.get("n"), "tail_fallback": "fallback" in tail.get("rule", "fallback")}
+        fits, tail = m.get("fits", {}), m.get("tail_fit", {})
+        rho = m.get("rho", 0.5)
+        chain = m.get("drafter") == "draft-chain" or (tail.get("n", 0) > 0 and not any(f.get("n") for f in fits.values()))
+        out = {"data": m.get("data", "unrecorded"), "skip": m.get("skip"), "rounds": m.get("rounds"),
+               "extra_conversations": m.get("extra_conversations"), "max_new_tokens": m.get("max_new_tokens"),
+               "budget": m.get("budget"), "date": m.get("date"), "rho": rho}
+        chosen = {"tail": tail} if chain else fits
+        out["observations"] = {d: f.get("n") for d, f in chosen.items()}
+        out["fallback"] = [d for d, f in chosen.items() if "fallback" in f.get("rule", "fallback")]
+        out["no_bin_reached_rho"] = [d for d, f in chosen.items() if f.get("rate") and max(f["rate"]) < rho]
+        return out
 
     def save(self, out: Path) -> None:
         from safetensors.torch import save_file
@@ -181,6 +186,8 @@ class _Recorder:
                 self.rank_hits[int(hit[0])] += 1
         if self.chain:
             for j, c in enumerate(self._step["stop_stats"]):
+                if j == 0:
+                    continue  # the runtime always keeps the first token: s_0 is never compared with tau_tail
                 self.tail_conf.append(c)
                 self.tail_outcome.append(int(a > j))
         else:

@@ -368,10 +368,10 @@ def calibrate(
     state.unlink(missing_ok=True)
     m = cal.meta
     taus = ", ".join(f"{t:.3f}" for t in cal.thresholds)
-    fallback = cal.provenance()["fallback_thresholds"]
-    if fallback:
-        print(f"warning: checkpoint(s) {', '.join(fallback)} used the fallback threshold (fewer than "
-              f"{MIN_OBS} observations: {cal.provenance()['observations']}); use more --rounds", file=sys.stderr)
+    prov = cal.provenance()
+    if prov["fallback"]:
+        print(f"warning: {', '.join(prov['fallback'])} used the fallback threshold (fewer than {MIN_OBS} "
+              f"observations: {prov['observations']}); use more --rounds", file=sys.stderr)
     print(f"calibration: {out_dir}: thresholds (levels 0/1/5) {taus}, tau_tail {cal.tau_tail:.3f}; matrix "
           f"{m['rows_filled']} rows ({m['populated_bytes'] / 1e6:.2f} MB populated) from {m['rounds']} rounds "
           f"({m['tokens']} tokens) + {m['extra_conversations']} teacher-forced; {m['seconds']:.0f} s", file=sys.stderr)
