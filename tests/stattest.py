@@ -114,7 +114,7 @@ def broken_verify_tree(tree, logits, params, gen, rule=None):
     draws, which keeps the negative controls cheap. Greedy and lossy calls are passed through unchanged."""
     import torch
 
-    from specgraft.verify import Verdict, sample_chain, sample_tree, verify_tree
+    from specgraft.core.verify import Verdict, sample_chain, sample_tree, verify_tree
 
     if params.greedy or (rule is not None and rule.lossy):
         return verify_tree(tree, logits, params, gen, rule)
@@ -137,9 +137,9 @@ def check_loop(monkeypatch, broken: bool, sample, expected: dict, n: int, label:
     verifier is replaced by :func:`broken_verify_tree`, and the same check must fail."""
     if not broken:
         return assert_matches(sample(n), expected, n, label)
-    import specgraft.decode
+    import specgraft.engine
 
-    monkeypatch.setattr(specgraft.decode, "verify_tree", broken_verify_tree)
+    monkeypatch.setattr(specgraft.engine, "verify_tree", broken_verify_tree)
     res = pooled_chisquare(sample(n), expected, n)  # the check itself must fail, not some other assertion
     assert not res.passed(), f"{label}: the broken verifier passed (p={res.pvalue:.2e}): the test has no power"
     return res

@@ -143,7 +143,7 @@ def test_hf_assisted_passes_truncation_sampling(monkeypatch):
     import types
 
     from specgraft import reference
-    from specgraft.sampling import SamplingParams
+    from specgraft.core.sampling import SamplingParams
 
     seen = {}
 

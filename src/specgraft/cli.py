@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from .drafters import DEFAULTS, METHODS
+from .registry import DEFAULTS, METHODS
 from .errors import SpecgraftError
 from .models import DEFAULT_MODEL, REGISTRY
 
@@ -74,18 +74,18 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON record instead of streaming text."),
 ) -> None:
     """Generate a reply, streaming text, then print one statistics line (to stderr)."""
-    from .decode import Engine
-    from .sampling import SamplingParams
+    from .engine import Engine
+    from .core.sampling import SamplingParams
 
-    from .decode import check_lossy
-    from .lossy import parse_rule
+    from .engine import check_lossy
+    from .lossy.rules import parse_rule
 
     sampling = SamplingParams(temperature, top_k, top_p, seed, min_p, eta)
     opts = _method_options(method, pld_max_ngram, recycle_k, recycle_scope, draft_model, draft_shape, draft_top_k,
                            draft_depth, head, eagle_top_k, eagle_depth)
     if method not in METHODS:
         raise SpecgraftError(f"unknown method '{method}'; choose one of: {', '.join(METHODS)}")
-    from .harness import parse_method
+    from .eval.harness import parse_method
 
     extra = {k: v for o in opt for k, v in parse_method("x:" + o).items() if k != "name"}
     if "budget" in extra:
@@ -141,8 +141,8 @@ def bench(
     """Run methods side by side, interleaved per prompt, AR as the baseline; resumable; prints the report."""
     from rich.progress import Progress
 
-    from .harness import BenchConfig, expand_methods, parse_method, run_harness
-    from .report import load, markdown
+    from .eval.harness import BenchConfig, expand_methods, parse_method, run_harness
+    from .eval.report import load, markdown
 
     cfg = BenchConfig.from_toml(config) if config else BenchConfig()
     for name, val in (("model", model), ("dtype", dtype), ("max_new_tokens", max_new_tokens), ("warmup", warmup),
@@ -203,8 +203,8 @@ def report(
     fails."""
     from pathlib import Path
 
-    from .report import load, markdown, plots
-    from .report_stats import parse_goal
+    from .eval.report import load, markdown, plots
+    from .eval.report_stats import parse_goal
 
     for g in goal or []:
         parse_goal(g)  # a bad goal fails before any file is read
@@ -216,9 +216,9 @@ def report(
         raise SpecgraftError("no complete records in " + ", ".join(records))
     text = markdown(rep, command, reference=reference, goals=goal)
     if lossy:
-        from .harness import read_records
-        from .lossy_report import markdown as lossy_markdown
-        from .lossy_report import plot as lossy_plot
+        from .eval.harness import read_records
+        from .lossy.report import markdown as lossy_markdown
+        from .lossy.report import plot as lossy_plot
 
         tagged = [{**r, "_file": f} for f in records for r in read_records(f)[0]]
         text += "\n## LOSSY rules vs their correct baselines\n\n" + lossy_markdown(tagged)
@@ -268,10 +268,10 @@ def train_head(
 
     import torch
 
-    from .datasets import load_conversations
+    from .eval.datasets import load_conversations
     from .models import load
-    from .training.features import extract
-    from .training.trainer import TrainConfig, train
+    from .eagle.training.features import extract
+    from .eagle.training.trainer import TrainConfig, train
 
     for name, val, lo in (("max-tokens", max_tokens, 1), ("max-len", max_len, 16), ("eval-convs", eval_convs, 1),
                           ("draft-vocab", draft_vocab, 2), ("intermediate", intermediate, 1),
@@ -325,10 +325,10 @@ def calibrate(
 
     from rich.progress import Progress
 
-    from .calibration import MIN_OBS, run_calibration
-    from .datasets import load_conversations
-    from .decode import Engine
-    from .drafters import INNER_KINDS, _inner, calibration_dir
+    from .graft.calibration import MIN_OBS, run_calibration
+    from .eval.datasets import load_conversations
+    from .engine import Engine
+    from .registry import INNER_KINDS, _inner, calibration_dir
 
     if drafter not in INNER_KINDS:
         raise SpecgraftError(f"unknown drafter '{drafter}'; choose one of: {', '.join(INNER_KINDS)}")
@@ -341,7 +341,7 @@ def calibrate(
     if not 0 < rho < 1:
         raise SpecgraftError(f"--rho must be in (0, 1), got {rho}")
     _quiet_transformers()
-    from .datasets import LOADERS, load_dataset
+    from .eval.datasets import LOADERS, load_dataset
 
     if data in LOADERS and data != "sharegpt":  # a dev split of a benchmark (use --skip to stay off the eval items)
         convs = [(it.id, [{"role": "user", "content": it.turns[0]}]) for it in load_dataset(data)][skip:]
@@ -395,10 +395,10 @@ def batch_cmd(
 
     from rich.progress import Progress
 
-    from .batch import run_batch_bench
-    from .datasets import load_dataset
-    from .decode import Engine
-    from .harness import expand_methods, parse_method
+    from .eval.batch_bench import run_batch_bench
+    from .eval.datasets import load_dataset
+    from .engine import Engine
+    from .eval.harness import expand_methods, parse_method
 
     specs = expand_methods([parse_method(m) for m in methods.split(";") if m.strip()])
     specs = [s for s in specs if s.method != "ar"] or specs
@@ -452,9 +452,9 @@ def distortion(
     prompts: closed form for chains, exact gate yields (and optional Monte Carlo) over real trees."""
     from rich.progress import Progress
 
-    from .distortion import DistortionConfig, aggregate, markdown_table, run_distortion
-    from .lossy import GRID, parse_rule
-    from .sampling import SamplingParams
+    from .lossy.distortion import DistortionConfig, aggregate, markdown_table, run_distortion
+    from .lossy.rules import GRID, parse_rule
+    from .core.sampling import SamplingParams
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     if not mode_list or set(mode_list) - {"chain", "tree"}:

@@ -14,8 +14,8 @@ import time
 import torch
 
 from .errors import SpecgraftError
-from .sampling import SamplingParams
-from .stats import Stats
+from .core.sampling import SamplingParams
+from .core.stats import Stats
 
 DEFAULT = {"budget": 0, "model": "qwen2.5-coder-0.5b"}
 _ASSISTANTS: dict[tuple, torch.nn.Module] = {}

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import TargetBackend
-from ..dynamic_tree import Candidates, Gate, candidates_tree, expand_topk
-from ..sampling import make_generator, target_probs
-from ..tree import SOURCE_DRAFT, Tree
-from .base import DraftContext
+from ..core.backend import TargetBackend
+from .dynamic_tree import Candidates, Gate, candidates_tree, expand_topk
+from ..core.sampling import make_generator, target_probs
+from ..core.tree import SOURCE_DRAFT, Tree
+from ..core.drafter import DraftContext
 
 
 class DraftModelDrafter:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from ..tree import SOURCE_PLD, Tree
-from .base import DraftContext
+from ..core.tree import SOURCE_PLD, Tree
+from ..core.drafter import DraftContext
 
 
 def pld_candidates(ids: np.ndarray, max_ngram: int = 3, num_pred: int = 10) -> list[int]:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..tree import SOURCE_RETRIEVAL, SOURCE_ROOT, Tree
-from .base import DraftContext
+from ..core.tree import SOURCE_RETRIEVAL, SOURCE_ROOT, Tree
+from ..core.drafter import DraftContext
 
 # The official "2.2.2" template (80 nodes, depth 6), as rank paths from the root, level by level.
 TEMPLATE_222: tuple[tuple[int, ...], ...] = (

@@ -1,0 +1,66 @@
+"""The drafter protocol: every method, AR included, is a drafter that the one decode loop drives.
+
+Per request the loop calls ``start`` once (after prefill), then per step ``propose`` (a tree within the
+node budget) and ``observe`` (the target's logits at every node of that tree, and the verdict). Retrieval
+state (Token Recycling's matrix, later Graft's) lives behind ``observe``; the loop never knows which
+drafter it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .sampling import SamplingParams
+from .tree import Tree
+from .verify import Verdict
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    ids: list[int]  # committed tokens, prompt included; ids[-1] is the root of the next tree
+    budget: int  # maximum number of non-root nodes the tree may have
+    sampling: SamplingParams = SamplingParams()  # a drafter that samples must use the same processing
+
+
+class Drafter(Protocol):
+    name: str
+    # Whether ``start`` wants logits at every prompt position (costs an lm_head over the prompt).
+    needs_prefill_logits: bool
+
+    # Target hidden-state layers the drafter reads at prefill and at every verified node (EAGLE heads).
+    hidden_layers: tuple[int, ...]
+
+    def start(self, prompt_ids: list[int], prefill_logits: torch.Tensor | None,
+              prefill_hidden: dict[int, torch.Tensor] | None = None) -> None: ...
+
+    def propose(self, ctx: DraftContext) -> Tree: ...
+
+    def observe(self, tree: Tree, logits: torch.Tensor, verdict: Verdict,
+                hidden: dict[int, torch.Tensor] | None = None) -> None: ...
+
+    def describe(self) -> dict:
+        """Configuration and state for records: method parameters, retrieval scope and state."""
+        ...
+
+
+class NoDraft:
+    """Plain autoregressive decoding: the tree is the root alone, so each step commits one token."""
+
+    name = "ar"
+    needs_prefill_logits = False
+    hidden_layers = ()
+
+    def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
+        pass
+
+    def propose(self, ctx: DraftContext) -> Tree:
+        return Tree.chain(ctx.ids[-1], [])
+
+    def observe(self, tree, logits, verdict, hidden=None) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {"method": self.name}

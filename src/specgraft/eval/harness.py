@@ -1,0 +1,307 @@
+"""Benchmark harness: methods from a config (with sweeps), interleaved per prompt, AR always the baseline,
+one JSONL record per turn, resumable.
+
+Protocol: one process, one loaded model; a warm-up generation per method before anything is timed, on a
+fixed prompt that is in no dataset (so no evaluation prompt's successors are in a retrieval matrix before its
+timed run); for each prompt every method runs back to back, the order rotated by one place per prompt over the
+whole run (across datasets and seeds, so no method always runs first); fixed seeds; multi-turn
+conversations run turn by turn with the chat template, each method continuing its own previous answers.
+A conversation's records are written together and flushed, so an interrupted run resumes at the first
+conversation that is not complete (a half-written last line is dropped on resume).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import platform
+import subprocess
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .datasets import Item, load_dataset
+from ..registry import DEFAULTS, METHODS
+from ..errors import SpecgraftError
+from ..core.sampling import SamplingParams
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    label: str
+    method: str
+    options: dict = field(default_factory=dict, hash=False)  # the drafter's options (and budget)
+    verify: str = "lossless"  # or an opt-in LOSSY rule "lossy:RULE:PARAM"
+    sampling: dict = field(default_factory=dict, hash=False)  # per-method truncation sampling: min_p, eta
+
+    def params(self, base: SamplingParams) -> SamplingParams:
+        return replace(base, **self.sampling) if self.sampling else base
+
+    def describe(self) -> dict:
+        """The configuration without its label: equal for two runs of one configuration (the noise pairs)."""
+        return {"method": self.method, "options": dict(sorted(self.options.items())), "verify": self.verify,
+                "sampling": dict(sorted(self.sampling.items()))}
+
+
+# Keys a method entry may carry besides its drafter options: the verification rule and truncation sampling
+# (the correct baselines of the lossy truncation rules), and ``label`` (two entries of one configuration under
+# different labels measure the run's noise).
+LOOP_KEYS = ("verify", "min_p", "eta", "label")
+
+# The warm-up prompt: outside every dataset, so warming up never runs (or retrieves from) an evaluation prompt.
+WARMUP_PROMPT = "List four uses of a paperclip, one per line, then say which is the most surprising and why."
+
+
+@dataclass
+class BenchConfig:
+    model: str = "smollm2-135m"
+    dtype: str = "bfloat16"
+    max_new_tokens: int = 128
+    warmup: int = 1
+    seeds: list[int] = field(default_factory=lambda: [0])
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    datasets: list[dict] = field(default_factory=lambda: [{"name": "mtbench", "limit": 8, "stride": 10}])
+    methods: list[dict] = field(default_factory=lambda: [{"name": "pld"}, {"name": "recycle"}])
+    score: bool = True
+    ar: bool = True  # add the AR baseline (speedups need it; a follow-up run of extra seeds may skip it)
+
+    @staticmethod
+    def from_toml(path: str) -> "BenchConfig":
+        try:
+            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise SpecgraftError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as err:
+            raise SpecgraftError(f"{path}: invalid TOML ({err})") from None
+        known = set(BenchConfig.__dataclass_fields__)
+        unknown = set(raw) - known
+        if unknown:
+            raise SpecgraftError(f"{path}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+        return BenchConfig(**raw)
+
+    def sampling(self, seed: int) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, seed)
+
+
+def expand_methods(entries: list[dict], add_ar: bool = True) -> list[MethodSpec]:
+    """``{"name": "recycle", "budget": [16, 80]}`` -> one spec per combination; AR is added first if absent
+    (unless ``add_ar`` is False)."""
+    specs = []
+    for entry in entries:
+        entry = dict(entry)
+        name = entry.pop("name", None)
+        if name not in METHODS:
+            raise SpecgraftError(f"unknown method '{name}'; choose one of: {', '.join(METHODS)}")
+        unknown = set(entry) - set(DEFAULTS[name]) - set(LOOP_KEYS)
+        if unknown:
+            raise SpecgraftError(f"method '{name}' has no option(s) {sorted(unknown)}; it takes {sorted(DEFAULTS[name])}")
+        keys = sorted(entry)
+        values = [v if isinstance(v, list) else [v] for v in (entry[k] for k in keys)]
+        for combo in itertools.product(*values):
+            opts = dict(zip(keys, combo))
+            custom = opts.pop("label", None)
+            label = custom or name + (":" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else "")
+            verify = opts.pop("verify", "lossless")
+            samp = {k: opts.pop(k) for k in ("min_p", "eta") if k in opts}
+            specs.append(MethodSpec(label, name, opts, verify, samp))
+    if add_ar and not any(s.method == "ar" for s in specs):
+        specs.insert(0, MethodSpec("ar", "ar", {}))
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise SpecgraftError(f"duplicate method entries: {labels}")
+    return specs
+
+
+def parse_method(spec: str) -> dict:
+    """CLI form ``name`` or ``name:key=value,key=value`` -> a config entry (numbers parsed)."""
+    name, _, rest = spec.strip().partition(":")
+    entry: dict = {"name": name}
+    for item in filter(None, rest.split(",")):
+        key, eq, val = item.partition("=")
+        if not eq:
+            raise SpecgraftError(f"bad method option '{item}' in '{spec}' (expected key=value)")
+        for cast in (int, float):
+            try:
+                val = cast(val)
+                break
+            except ValueError:
+                pass
+        entry[key.strip()] = val
+    return entry
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment() -> dict:
+    import torch
+    import transformers
+
+    from . import __version__
+
+    cpu = cpu_name()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=Path(__file__).resolve().parent).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                    text=True, timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "specgraft": __version__, "commit": commit, "dirty": dirty}
+
+
+def record_key(rec: dict) -> tuple:
+    return rec["dataset"], rec["prompt_id"], rec["label"], rec["seed"]
+
+
+def read_records(path: str | Path) -> tuple[list[dict], list[str]]:
+    """Parse a records file; problems (truncated or unparsable lines) are returned, not raised."""
+    p = Path(path)
+    if not p.exists():
+        return [], []
+    raw = p.read_text(encoding="utf-8", errors="replace")
+    records, problems = [], []
+    lines = raw.split("\n")
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            problems.append(f"{p}:{n}: truncated or invalid record")
+            continue
+        if n == len(lines):  # parsed, but the write of its newline never happened
+            problems.append(f"{p}:{n}: last record has no newline (interrupted write)")
+    return records, problems
+
+
+def complete_conversations(records: list[dict]) -> tuple[list[dict], set]:
+    """Records of conversations whose every turn is present; and their keys."""
+    by_key: dict[tuple, list[dict]] = {}
+    for r in records:
+        by_key.setdefault(record_key(r), []).append(r)
+    keep = {k for k, rs in by_key.items() if len({r["turn"] for r in rs}) == rs[0]["n_turns"]}
+    return [r for r in records if record_key(r) in keep], keep
+
+
+def repair_for_resume(path: str | Path) -> tuple[set, int]:
+    """Rewrite ``path`` (atomically) keeping only complete conversations; return their keys, lines dropped."""
+    records, problems = read_records(path)
+    kept, keys = complete_conversations(records)
+    dropped = len(records) - len(kept) + len(problems)
+    if dropped:
+        tmp = Path(str(path) + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return keys, dropped
+
+
+def run_order(seeds: list[int], plan: list[tuple[str, list[Item]]]) -> list[tuple[int, str, Item]]:
+    """Every (seed, dataset, item) of the run, in the order they run."""
+    return [(seed, dname, item) for seed, (dname, items) in itertools.product(seeds, plan) for item in items]
+
+
+def rotated(specs: list, g: int) -> list:
+    """The method order for the run's ``g``-th prompt: rotated by ``g`` places (each method leads in turn)."""
+    k = g % len(specs)
+    return specs[k:] + specs[:k]
+
+
+def run_conversation(engine, item: Item, spec: MethodSpec, sampling: SamplingParams, max_new_tokens: int,
+                     stop: tuple[str, ...] = ()):
+    messages, out = [], []
+    for turn in item.turns:
+        messages.append({"role": "user", "content": turn})
+        g = engine.generate(messages, spec.method, sampling=spec.params(sampling), verify=spec.verify,
+                            max_new_tokens=max_new_tokens, stop=stop, **spec.options)
+        messages.append({"role": "assistant", "content": g.text})
+        out.append(g)
+    return out
+
+
+def make_record(cfg: BenchConfig, env: dict, dataset: str, item: Item, spec: MethodSpec, seed: int, turn: int,
+                g, scorer) -> dict:
+    s = g.stats
+    rec = {
+        "schema": SCHEMA_VERSION, "dataset": dataset, "prompt_id": item.id, "category": item.category,
+        "turn": turn, "n_turns": len(item.turns), "seed": seed, "label": spec.label, "method": spec.method,
+        "spec": spec.describe(),
+        "method_config": g.config, "model": cfg.model, "dtype": cfg.dtype, "max_new_tokens": cfg.max_new_tokens,
+        "sampling": g.config["sampling"], "greedy": cfg.temperature == 0.0,
+        "verify": g.config.get("verify", "lossless"), "lossy": bool(g.config.get("lossy", False)),
+        "machine": {k: env[k] for k in ("cpu", "cores", "threads")},
+        "versions": {k: env[k] for k in ("python", "torch", "transformers", "specgraft")},
+        "commit": env["commit"], "dirty": env["dirty"],
+        "prompt_tokens": len(g.prompt_ids), "output_ids": g.token_ids, "text": g.text,
+        "new_tokens": s.new_tokens, "steps": s.steps, "accept_lengths": [c - 1 for c in s.committed],
+        "mat": s.mat, "depth_trials": s.depth_trials, "depth_accepts": s.depth_accepts,
+        "tree_nodes": s.tree_nodes, "wall_s": s.total_s, "prefill_s": s.prefill_s, "draft_s": s.draft_s,
+        "verify_s": s.verify_s, "other_s": s.other_s, "retrieval_state": s.retrieval_state,
+    }
+    if scorer and turn == len(item.turns) - 1:
+        rec["quality"] = scorer(item.task, item.reference, g.text)
+    return rec
+
+
+def run_harness(cfg: BenchConfig, out_path: str, progress=None, log=print, engine=None) -> dict:
+    """Run (or resume) a benchmark into ``out_path``; returns counts of what ran and what was skipped."""
+    from ..engine import Engine, check_lossy
+    from ..lossy.rules import parse_rule
+    from .quality import score
+
+    specs = expand_methods(cfg.methods, cfg.ar)
+    for seed in cfg.seeds:
+        for spec in specs:  # validate before loading anything
+            params = spec.params(cfg.sampling(seed))
+            rule = parse_rule(spec.verify)
+            if rule.lossy:
+                check_lossy(rule, spec.method, spec.options, params)
+    stops = {d.get("name"): tuple(d.get("stop", ())) for d in cfg.datasets}  # per dataset, e.g. a code fence
+    plan = [(d.get("name"), load_dataset(d["name"], d.get("limit"), d.get("stride", 1), d.get("categories"),
+                                         d.get("path"), d.get("max_turns"), d.get("offset", 0)))
+            for d in cfg.datasets]
+    complete, dropped = repair_for_resume(out_path) if Path(out_path).exists() else (set(), 0)
+    if complete or dropped:
+        log(f"resume: {len(complete)} conversations already recorded; {dropped} incomplete line(s) dropped")
+    engine = engine or Engine(cfg.model, cfg.dtype)
+    env = environment()
+    for spec in specs:
+        engine.drafter(spec.method, **spec.options)
+        for _ in range(cfg.warmup):
+            engine.generate(WARMUP_PROMPT, spec.method, sampling=spec.params(cfg.sampling(cfg.seeds[0])),
+                            verify=spec.verify, max_new_tokens=min(32, cfg.max_new_tokens), **spec.options)
+    total = sum(len(items) for _, items in plan) * len(specs) * len(cfg.seeds)
+    ran = skipped = 0
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    with open(out_path, "a", encoding="utf-8") as out:
+        for g, (seed, dname, item) in enumerate(run_order(cfg.seeds, plan)):
+            sampling = cfg.sampling(seed)
+            for spec in rotated(specs, g):
+                if (dname, item.id, spec.label, seed) in complete:
+                    skipped += 1
+                else:
+                    gens = run_conversation(engine, item, spec, sampling, cfg.max_new_tokens, stops[dname])
+                    lines = [json.dumps(make_record(cfg, env, dname, item, spec, seed, t, gen,
+                                                    score if cfg.score else None)) for t, gen in enumerate(gens)]
+                    out.write("\n".join(lines) + "\n")
+                    out.flush()
+                    os.fsync(out.fileno())
+                    ran += 1
+                if progress:
+                    progress(ran + skipped, total, f"{dname} {item.id} {spec.label} seed={seed}")
+    return {"ran": ran, "skipped": skipped, "total": total}
+

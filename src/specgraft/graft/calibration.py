@@ -1,0 +1,294 @@
+"""Graft calibration and matrix warm-up (`specgraft calibrate`).
+
+Procedure (docs/graft.md): decode ``rounds`` warm-up prompts (ShareGPT, not the evaluation sets) greedily
+with the *unpruned* tree (or full draft chain) and online matrix updates. Per step record
+
+- tree drafters: at each checkpoint level ``d`` the confidence ``c_d`` (best cumulative path probability)
+  and ``y_d`` = 1 if the accepted path holds a draft node deeper than level ``d`` (drafting past d paid off);
+- chain drafters: for each drafted token ``j`` the runtime's stop statistic ``s_j = prod_{i<j} q_i(y_i) *
+  max q_j`` (decided before ``y_j`` is drawn; see ``DraftModelDrafter.chain``) and whether it was accepted;
+- the score rank of every accepted node (``autotune`` replays any smaller budget from them exactly);
+- how often the target's next token sat at rank ``r`` of the matrix row (the templates' rank weights).
+
+Then per checkpoint: 10 equal-mass bins of ``c``, their acceptance made monotone (pool-adjacent-violators),
+``tau = `` the lower edge of the first bin whose rate reaches ``rho`` (default 0.5); under 200 observations
+the fallback; clamped to [0.02, 0.9]. Optional ``extra`` conversations are read teacher-forced (one prefill
+each, rows from every position): a cheap prior on CPU. The matrix after all of it is the warm-up snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..drafters.dynamic_tree import rerank
+from ..errors import SpecgraftError
+from .pruning import CHECKPOINTS, FALLBACK_THRESHOLDS
+from ..core.sampling import SamplingParams, make_generator
+from ..core.stats import Stats
+from ..core.tree import SOURCE_DRAFT, Tree
+
+MIN_OBS = 200
+CLAMP = (0.02, 0.9)
+FALLBACK_TAU_TAIL = 0.1
+
+
+@dataclass
+class Calibration:
+    thresholds: tuple[float, ...] = FALLBACK_THRESHOLDS
+    checkpoints: tuple[int, ...] = CHECKPOINTS
+    tau_tail: float = FALLBACK_TAU_TAIL
+    rank_weights: tuple[float, ...] | None = None
+    meta: dict = field(default_factory=dict)
+    snapshot: dict | None = None  # the warmed matrix ({"rows", "succ"})
+    accepted_ranks: list[list[int]] = field(default_factory=list)  # per step (autotune)
+
+    def thresholds_for(self, rho: float) -> tuple[float, ...]:
+        """Re-read the stored monotone fits at another ``rho`` (no recalibration needed)."""
+        fits = self.meta.get("fits", {})
+        out = []
+        for d, tau in zip(self.checkpoints, self.thresholds):
+            f = fits.get(str(d), {})
+            if "rate" not in f:
+                out.append(tau)  # a fallback stays a fallback
+                continue
+            t = next((e for e, r in zip(f["bin_lower_edges"], f["rate"]) if r >= rho), CLAMP[1])
+            out.append(min(max(t, CLAMP[0]), CLAMP[1]))
+        return tuple(out)
+
+    def provenance(self) -> dict:
+        """What a record should say about this calibration: data, size, and where a threshold did not come
+        from a fit (a fallback under ``MIN_OBS`` observations, or a clamp when no bin reached ``rho``). A chain
+        calibration reports its ``tau_tail`` fit, a tree calibration its checkpoint fits."""
+        m = self.meta
+        fits, tail = m.get("fits", {}), m.get("tail_fit", {})
+        rho = m.get("rho", 0.5)
+        chain = m.get("drafter") == "draft-chain" or (tail.get("n", 0) > 0 and not any(f.get("n") for f in fits.values()))
+        out = {"data": m.get("data", "unrecorded"), "skip": m.get("skip"), "rounds": m.get("rounds"),
+               "extra_conversations": m.get("extra_conversations"), "max_new_tokens": m.get("max_new_tokens"),
+               "budget": m.get("budget"), "date": m.get("date"), "rho": rho}
+        chosen = {"tail": tail} if chain else fits
+        out["observations"] = {d: f.get("n") for d, f in chosen.items()}
+        out["fallback"] = [d for d, f in chosen.items() if "fallback" in f.get("rule", "fallback")]
+        out["no_bin_reached_rho"] = [d for d, f in chosen.items() if f.get("rate") and max(f["rate"]) < rho]
+        return out
+
+    def save(self, out: Path) -> None:
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        body = {k: v for k, v in asdict(self).items() if k not in ("snapshot",)}
+        tmp = out / "calibration.json.tmp"
+        tmp.write_text(json.dumps(body, indent=1))
+        if self.snapshot is not None:
+            save_file({k: v.contiguous() for k, v in self.snapshot.items()}, str(out / "matrix.safetensors.tmp"))
+            (out / "matrix.safetensors.tmp").replace(out / "matrix.safetensors")
+        tmp.replace(out / "calibration.json")
+
+    @staticmethod
+    def load(path: Path) -> "Calibration":
+        from safetensors.torch import load_file
+
+        f = path / "calibration.json"
+        if not f.exists():
+            raise SpecgraftError(f"no calibration in {path} (run `specgraft calibrate`)")
+        body = json.loads(f.read_text())
+        cal = Calibration(tuple(body["thresholds"]), tuple(body["checkpoints"]), body["tau_tail"],
+                          tuple(body["rank_weights"]) if body.get("rank_weights") else None, body.get("meta", {}),
+                          None, body.get("accepted_ranks", []))
+        if (path / "matrix.safetensors").exists():
+            cal.snapshot = load_file(str(path / "matrix.safetensors"))
+        return cal
+
+
+def isotonic(y: list[float], w: list[float]) -> list[float]:
+    """Pool-adjacent-violators: the non-decreasing fit of ``y`` with weights ``w``."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for yi, wi in zip(y, w):
+        blocks.append([yi, wi, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, c2 = blocks.pop()
+            m1, w1, c1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
+    out: list[float] = []
+    for m, _, c in blocks:
+        out.extend([m] * c)
+    return out
+
+
+def fit_threshold(conf: list[float], outcome: list[int], rho: float = 0.5, fallback: float = 0.25,
+                  bins: int = 10, min_obs: int = MIN_OBS) -> tuple[float, dict]:
+    """``tau = min{c : g(c) >= rho}`` with ``g`` the monotone binned acceptance; see the module docstring."""
+    if len(conf) < min_obs:
+        return fallback, {"n": len(conf), "rule": f"fallback (< {min_obs} observations)"}
+    pairs = sorted(zip(conf, outcome))
+    edges, rates, weights = [], [], []
+    for b in range(bins):
+        part = pairs[b * len(pairs) // bins:(b + 1) * len(pairs) // bins]
+        if part:
+            edges.append(part[0][0])
+            rates.append(sum(y for _, y in part) / len(part))
+            weights.append(len(part))
+    g = isotonic(rates, weights)
+    tau = next((e for e, r in zip(edges, g) if r >= rho), CLAMP[1])
+    tau = min(max(tau, CLAMP[0]), CLAMP[1])
+    return tau, {"n": len(conf), "bin_lower_edges": [round(e, 4) for e in edges], "rate": [round(r, 3) for r in g],
+                 "rule": f"first bin with monotone rate >= {rho}"}
+
+
+class _Recorder:
+    """The unpruned drafter plus the matrix, recording what calibration and autotune need."""
+
+    def __init__(self, inner, matrix, chain: bool):
+        self.inner, self.matrix, self.chain = inner, matrix, chain
+        self.name = "calibrate"
+        self.needs_prefill_logits = True
+        self.hidden_layers = tuple(getattr(inner, "hidden_layers", ()))
+        self.conf: dict = {d: [] for d in CHECKPOINTS}
+        self.outcome: dict = {d: [] for d in CHECKPOINTS}
+        self.tail_conf: list[float] = []
+        self.tail_outcome: list[int] = []
+        self.ranks: list[list[int]] = []
+        self.rank_hits = [0] * matrix.k
+        self.rank_trials = 0
+        self._step: dict = {}
+
+    def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
+        self.inner.start(prompt_ids, None, prefill_hidden)
+        self.matrix.update(torch.tensor(prompt_ids, dtype=torch.long), prefill_logits)
+
+    def propose(self, ctx):
+        if self.chain:
+            drafts, _, stop_stats = self.inner.chain(ctx, ctx.budget)
+            self._step = {"stop_stats": stop_stats}  # the statistic the runtime stop compares with tau_tail
+            return Tree.chain(ctx.ids[-1], drafts)
+        cands = self.inner.draft(ctx, None)
+        if cands is None:
+            return Tree.chain(ctx.ids[-1], [])
+        tokens, parents, kept = rerank(cands, ctx.budget)
+        order = sorted(range(len(cands.tokens)), key=lambda i: (-cands.scores[i], i))
+        rank = {c: r for r, c in enumerate(order)}
+        self._step = {"level_best": cands.level_best, "ranks": [rank[c] for c in kept]}
+        return Tree.build([ctx.ids[-1], *tokens], [-1, *parents], [0] + [SOURCE_DRAFT] * len(tokens))
+
+    def observe(self, tree, logits, verdict, hidden=None) -> None:
+        a = verdict.accept_length
+        row = self.matrix.table[int(tree.tokens[0])]
+        if int(row[0]) >= 0:  # how the target's next token ranks in the (pre-update) root row
+            nxt = int(tree.tokens[verdict.accepted[1]]) if a else int(verdict.bonus)
+            self.rank_trials += 1
+            hit = (row == nxt).nonzero()
+            if hit.numel():
+                self.rank_hits[int(hit[0])] += 1
+        if self.chain:
+            for j, c in enumerate(self._step["stop_stats"]):
+                if j == 0:
+                    continue  # the runtime always keeps the first token: s_0 is never compared with tau_tail
+                self.tail_conf.append(c)
+                self.tail_outcome.append(int(a > j))
+        else:
+            best = self._step["level_best"]
+            for d in CHECKPOINTS:
+                if d < len(best):
+                    self.conf[d].append(best[d])
+                    self.outcome[d].append(int(a >= d + 2))
+            self.ranks.append(sorted(self._step["ranks"][i - 1] for i in verdict.accepted[1:]))
+        self.matrix.update(tree.tokens, logits)
+        self.inner.observe(tree, logits, verdict, hidden)
+
+    def describe(self) -> dict:
+        return {"method": self.name}
+
+
+def teacher_forced(engine, messages: list[dict], matrix, max_len: int = 1024) -> int:
+    """One prefill over a whole conversation; every position writes its token's row. Returns tokens read."""
+    tok = engine.tokenizer
+    if getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template(messages, tokenize=False)
+        ids = tok(text, add_special_tokens=False).input_ids[:max_len]
+    else:
+        ids = tok("\n\n".join(m["content"] for m in messages)).input_ids[:max_len]
+    out = engine.backend.prefill(torch.tensor(ids, dtype=torch.long), all_logits=True)
+    matrix.update(torch.tensor(ids, dtype=torch.long), out.logits)
+    return len(ids)
+
+
+def run_calibration(engine, inner, conversations: list[tuple[str, list[dict]]], rounds: int, max_new_tokens: int,
+                    budget: int, extra: int = 0, rho: float = 0.5, k: int = 8, progress=None,
+                    state_path: Path | None = None) -> Calibration:
+    """Warm-up + calibration; resumable per round through ``state_path`` (a torch file)."""
+    from ..engine import decode_tokens
+    from ..drafters.recycling import AdjacencyMatrix
+
+    chain = getattr(inner, "shape", "tree") == "chain"
+    matrix = AdjacencyMatrix(engine.vocab_size, k)
+    rec = _Recorder(inner, matrix, chain)
+    state = {"round": 0, "extra": 0, "seconds": 0.0, "tokens": 0, "steps": 0, "draft_s": 0.0, "verify_s": 0.0}
+    if state_path is not None and state_path.exists():
+        saved = torch.load(state_path, weights_only=False)
+        state = saved["state"]
+        matrix.load_snapshot(saved["snapshot"])
+        for key in ("conf", "outcome", "tail_conf", "tail_outcome", "ranks", "rank_hits"):
+            setattr(rec, key, saved[key])
+        rec.rank_trials = saved["rank_trials"]
+    if len(conversations) < rounds + extra:
+        raise SpecgraftError(f"calibration needs {rounds + extra} conversations, the data has {len(conversations)}")
+    total = rounds + extra
+
+    def checkpoint() -> None:
+        if state_path is None:
+            return
+        body = {"state": state, "snapshot": matrix.snapshot(), "rank_trials": rec.rank_trials,
+                **{key: getattr(rec, key) for key in ("conf", "outcome", "tail_conf", "tail_outcome", "ranks",
+                                                       "rank_hits")}}
+        torch.save(body, state_path.with_suffix(".tmp"))
+        state_path.with_suffix(".tmp").replace(state_path)
+
+    while state["extra"] < extra:
+        t0 = time.perf_counter()
+        _, messages = conversations[rounds + state["extra"]]
+        teacher_forced(engine, messages, matrix)
+        state["extra"] += 1
+        state["seconds"] += time.perf_counter() - t0
+        checkpoint()
+        if progress:
+            progress(state["round"] + state["extra"], total, "teacher-forced conversation")
+    while state["round"] < rounds:
+        t0 = time.perf_counter()
+        _, messages = conversations[state["round"]]
+        first = next(m for m in messages if m["role"] == "user")
+        ids = engine.encode([first])[-1024:]
+        stats = Stats("calibrate")
+        for _ in decode_tokens(engine.backend, rec, ids, SamplingParams(), max_new_tokens, budget, engine.eos_ids,
+                               stats, make_generator(0)):
+            pass
+        state["round"] += 1
+        state["tokens"] += stats.new_tokens
+        state["steps"] += stats.steps
+        state["draft_s"] += stats.draft_s
+        state["verify_s"] += stats.verify_s
+        state["seconds"] += time.perf_counter() - t0
+        checkpoint()
+        if progress:
+            progress(state["round"] + state["extra"], total, f"round: {stats.new_tokens} tokens, MAT {stats.mat:.2f}")
+
+    fits, taus = {}, []
+    for d, fb in zip(CHECKPOINTS, FALLBACK_THRESHOLDS):
+        tau, info = fit_threshold(rec.conf[d], rec.outcome[d], rho, fb)
+        fits[str(d)] = info
+        taus.append(tau)
+    tau_tail, tail_info = fit_threshold(rec.tail_conf, rec.tail_outcome, rho, FALLBACK_TAU_TAIL)
+    weights = None
+    if rec.rank_trials >= MIN_OBS:  # measured hit rates replace the prior (floor keeps every rank usable)
+        weights = tuple(round(max(h / rec.rank_trials, 1e-3), 4) for h in rec.rank_hits)
+    meta = {"rounds": rounds, "extra_conversations": extra, "max_new_tokens": max_new_tokens, "budget": budget,
+            "rho": rho, "k": k, "fits": fits, "tail_fit": tail_info, "rank_trials": rec.rank_trials,
+            "rank_hits": rec.rank_hits, "rows_filled": matrix.rows_filled,
+            "populated_bytes": matrix.populated_bytes, **state,
+            "draft_s_per_step": state["draft_s"] / max(state["steps"], 1),
+            "date": time.strftime("%Y-%m-%d"), "model": engine.model_name, "dtype": engine.dtype}
+    return Calibration(tuple(taus), CHECKPOINTS, tau_tail, weights, meta, matrix.snapshot(), rec.ranks)

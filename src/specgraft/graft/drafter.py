@@ -1,0 +1,203 @@
+"""Graft and the pruning baselines, on top of any tree drafter (EAGLE-3 head, draft-model tree or chain).
+
+One step (``variant="graft"``)::
+
+    inner.draft(gate)            expand level by level; the gate (checkpoints 0/1/5) may stop it -> stage s
+    rerank(K_draft[s])           keep the best draft candidates (prefix-closed)
+    graft_merge(template[s])     fill the freed K_max - K_draft[s] slots from the adjacency matrix, same root
+    -> one verification          the loop's lossless rule; retrieved nodes are ordinary candidates
+    observe                      M[x_i] = topk(p_i) for every verified node, then the inner drafter's observe
+
+Variants (the paper's ablations): ``prune`` (the gate, freed slots stay empty; with policy echo/ddd/svip),
+``fixed`` (no gate, stage-1 split every step), ``root`` (no gate, 1/3 of the budget to a root template),
+``batch`` (draft to full depth, stage from the recorded confidences: fixed shapes for batch mode), and for
+chain drafters ``tail`` (keep the confident prefix, fill the rest of the chain with M's rank-0 chain).
+All candidates are deterministic given the state before verification, so every variant is lossless.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import torch
+
+from ..drafters.dynamic_tree import rerank
+from .templates import RANK_WEIGHTS, ROOT_SHARE, graft_merge, stage_split, stage_template, sweep_template
+from .pruning import SparseGate
+from ..core.tree import SOURCE_DRAFT, SOURCE_RETRIEVAL, SOURCE_ROOT, Tree
+from ..core.drafter import DraftContext
+from ..drafters.recycling import AdjacencyMatrix
+
+TREE_VARIANTS = ("graft", "prune", "fixed", "root", "batch")
+CHAIN_VARIANTS = ("tail", "prune")
+
+
+class GraftDrafter:
+    needs_prefill_logits = True  # the prefill's logits write the prompt tokens' rows (free observations)
+
+    def __init__(self, inner, vocab_size: int, variant: str = "graft", policy=None, k: int = 8,
+                 scope: str = "request", snapshot: dict | None = None, dedup: str = "merge",
+                 tau_tail: float = 0.1, rank_weights: tuple[float, ...] | None = None, name: str = "graft",
+                 calibration: str = "fallback", sweep: tuple[int, int] | None = None,
+                 matrix_source: str = "calibration", calibration_info: dict | None = None):
+        chain = getattr(inner, "shape", "tree") == "chain"
+        variant = "tail" if chain and variant == "graft" else variant  # Graft on a chain is Graft-TAIL
+        allowed = CHAIN_VARIANTS if chain else TREE_VARIANTS
+        if variant not in allowed:
+            raise ValueError(f"variant '{variant}' is not available for a {'chain' if chain else 'tree'} drafter; "
+                             f"choose one of: {', '.join(allowed)}")
+        if scope not in ("request", "global"):
+            raise ValueError(f"scope must be 'request' or 'global', got {scope!r}")
+        if dedup == "none":
+            # A duplicate sibling is never entered (the walk takes the first match), so its retrieved subtree
+            # would only waste slots; choosing among duplicates by their subtrees would be lossy under sampling.
+            raise ValueError("dedup='none' is refused: duplicate siblings are unreachable by the verification walk; "
+                             "use 'merge' or 'skip'")
+        if dedup not in ("merge", "skip"):
+            raise ValueError(f"dedup must be 'merge' or 'skip', got {dedup!r}")
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"graft k must be an integer >= 1, got {k!r}")
+        if not 0 < tau_tail <= 1:
+            raise ValueError(f"tau_tail must be in (0, 1], got {tau_tail}")
+        self.inner, self.chain, self.variant, self.name = inner, chain, variant, name
+        self.policy = policy if policy is not None else SparseGate()
+        self.hidden_layers = tuple(getattr(inner, "hidden_layers", ()))
+        self.matrix = AdjacencyMatrix(vocab_size, k)
+        self.scope, self.snapshot, self.dedup, self.tau_tail = scope, snapshot, dedup, tau_tail
+        self.rank_weights = tuple(rank_weights) if rank_weights else None
+        self.calibration, self.sweep, self.matrix_source = calibration, sweep, matrix_source
+        self.calibration_info = calibration_info
+        self._templates: dict[tuple, tuple] = {}
+        self.requests = self.lifetime_retrieval = 0
+        self.counters: Counter = Counter()
+        self.stages: Counter = Counter()
+        self.times = Counter()
+        if snapshot is not None:
+            self.matrix.load_snapshot(snapshot)
+
+    # -- the drafter protocol ---------------------------------------------------------------------------
+    def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
+        inner_logits = prefill_logits if getattr(self.inner, "needs_prefill_logits", False) else None
+        self.inner.start(prompt_ids, inner_logits, prefill_hidden)
+        if self.scope == "request" or self.requests == 0:
+            if self.snapshot is not None:
+                self.matrix.load_snapshot(self.snapshot)
+            else:
+                self.matrix.clear()
+        self.requests += 1
+        self.counters, self.stages, self.times = Counter(), Counter(), Counter()  # per request (records)
+        if prefill_logits is not None:
+            self.matrix.update(torch.tensor(prompt_ids, dtype=torch.long), prefill_logits)
+
+    def propose(self, ctx: DraftContext) -> Tree:
+        t0 = time.perf_counter()
+        tree = self._propose_chain(ctx) if self.chain else self._propose_tree(ctx)
+        self.times["propose_s"] += time.perf_counter() - t0
+        src = tree.source
+        self.counters["offered_draft"] += int((src == SOURCE_DRAFT).sum())
+        self.counters["offered_retrieval"] += int((src == SOURCE_RETRIEVAL).sum())
+        self.lifetime_retrieval += int((src == SOURCE_RETRIEVAL).sum())  # across requests (tests)
+        return tree
+
+    def observe(self, tree: Tree, logits: torch.Tensor, verdict, hidden=None) -> None:
+        acc = tree.source[torch.tensor(verdict.accepted[1:], dtype=torch.long)]
+        self.counters["accepted_draft"] += int((acc == SOURCE_DRAFT).sum())
+        self.counters["accepted_retrieval"] += int((acc == SOURCE_RETRIEVAL).sum())
+        self.matrix.update(tree.tokens, logits)  # every verified node, accepted or not, draft or retrieved
+        self.inner.observe(tree, logits, verdict, hidden)
+
+    def describe(self) -> dict:
+        inner = self.inner.describe()
+        c = self.counters
+        offered = c["offered_retrieval"]
+        return {"method": self.name, "variant": self.variant, "drafter": inner,
+                "policy": getattr(self.policy, "name", type(self.policy).__name__),
+                "thresholds": list(getattr(self.policy, "thresholds", ())) or None,
+                "calibration": self.calibration, "calibration_info": self.calibration_info,
+                "tau_tail": self.tau_tail if self.chain else None,
+                "k": self.matrix.k, "scope": self.scope, "dedup": self.dedup, "template_sweep": self.sweep,
+                "matrix_source": self.matrix_source,
+                "retrieval_state": "warm" if self.snapshot is not None else
+                ("cold" if self.scope == "request" or self.requests <= 1 else "hot"),
+                "rows_filled": self.matrix.rows_filled, "populated_bytes": self.matrix.populated_bytes,
+                "stage_histogram": {str(k): v for k, v in sorted(self.stages.items(), key=str)},
+                "counters": dict(c), "retrieval_hit_rate": c["accepted_retrieval"] / offered if offered else None,
+                "times": {k: round(v, 4) for k, v in self.times.items()}}
+
+    # -- trees -----------------------------------------------------------------------------------------------
+    def _retrieval(self, key: tuple, stage: int, slots: int):
+        """(template, parents array) for a stage at a slot count, built once."""
+        if key not in self._templates:
+            weights = self.rank_weights or RANK_WEIGHTS
+            tpl = sweep_template(slots, *self.sweep, weights, self.matrix.k) if self.sweep else \
+                stage_template(stage, slots, weights, self.matrix.k)
+            parents, ranks, depths = tpl.arrays
+            self._templates[key] = (tpl, parents, ranks, depths)
+        return self._templates[key]
+
+    def _split(self, ctx: DraftContext, cands) -> tuple[int, int | None, int]:
+        """(draft nodes kept, template stage or None, retrieval slots) for this step's variant."""
+        budget = ctx.budget
+        split = stage_split(budget)
+        if self.variant in ("graft", "prune"):
+            stage = self.policy.stage_of(cands.stopped_at) if isinstance(self.policy, SparseGate) else None
+            if isinstance(self.policy, SparseGate) or cands.stopped_at is None:
+                self.stages["none" if stage is None else stage] += 1
+            else:
+                self.stages[f"level{cands.stopped_at}"] += 1
+            n_draft = budget if stage is None else split[stage]
+            return n_draft, (None if self.variant == "prune" else stage), budget - n_draft
+        if self.variant == "batch":
+            stage = self.policy.stage_from_confidences(cands.level_best)
+            self.stages["none" if stage is None else stage] += 1
+            n_draft = budget if stage is None else split[stage]
+            return n_draft, stage, budget - n_draft
+        if self.variant == "fixed":
+            self.stages[1] += 1
+            return split[1], 1, budget - split[1]
+        ret = min(budget, max(1, round(ROOT_SHARE * budget)))  # root
+        self.stages["root"] += 1
+        return budget - ret, 2, ret
+
+    def _propose_tree(self, ctx: DraftContext) -> Tree:
+        gate = self.policy if self.variant in ("graft", "prune") else None
+        cands = self.inner.draft(ctx, gate)
+        if cands is None:
+            return Tree.chain(ctx.ids[-1], [])
+        n_draft, stage, slots = self._split(ctx, cands)
+        tokens, parents, _ = rerank(cands, n_draft)
+        tokens, parents = [ctx.ids[-1], *tokens], [-1, *parents]
+        if stage is None or slots <= 0:
+            return Tree.build(tokens, parents, [SOURCE_ROOT] + [SOURCE_DRAFT] * (len(tokens) - 1))
+        t0 = time.perf_counter()
+        tpl, tpar, ranks, depths = self._retrieval((stage, slots), stage, slots)
+        got = self.matrix.gather(ctx.ids[-1], tpar, ranks, depths).tolist()
+        hyb = graft_merge(tokens, parents, got, tpar, slots, tpl.n_template, self.dedup,
+                          row=lambda t: self.matrix.table[t].tolist())
+        self.counters["dedup"] += hyb.n_dedup
+        self.times["retrieval_s"] += time.perf_counter() - t0
+        return Tree.build(hyb.tokens, hyb.parents, hyb.source)
+
+    def _propose_chain(self, ctx: DraftContext) -> Tree:
+        """Graft-TAIL: the draft chain stops below ``tau_tail``; the tail is M's rank-0 chain (same length)."""
+        drafts, probs, _ = self.inner.chain(ctx, ctx.budget, self.tau_tail)
+        tail: list[int] = []
+        if self.variant == "tail" and drafts:
+            x = drafts[-1]
+            while len(drafts) + len(tail) < ctx.budget:
+                x = int(self.matrix.table[x, 0])
+                if x < 0:
+                    break  # a cold row ends the tail
+                tail.append(x)
+        self.stages[f"kept{len(drafts)}"] += 1
+        if probs is not None and tail:  # a deterministic candidate is a one-hot q: the q = 1 rule
+            onehot = torch.zeros(len(tail), probs.shape[1], dtype=probs.dtype)
+            onehot[torch.arange(len(tail)), torch.tensor(tail)] = 1
+            probs = torch.cat([probs, onehot])
+        n = len(drafts) + len(tail)
+        src = [SOURCE_ROOT] + [SOURCE_DRAFT] * len(drafts) + [SOURCE_RETRIEVAL] * len(tail)
+        tree = Tree.build([ctx.ids[-1], *drafts, *tail], list(range(-1, n)), src)
+        if probs is not None:
+            object.__setattr__(tree, "draft_probs", probs)
+        return tree

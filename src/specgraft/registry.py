@@ -1,0 +1,189 @@
+"""Drafter registry: method name -> constructor, with each method's defaults in one place."""
+
+from __future__ import annotations
+
+from .errors import SpecgraftError
+from .core.drafter import DraftContext, Drafter, NoDraft
+from .drafters.draft_model import DraftModelDrafter
+from .eagle.drafter import EagleDrafter
+from .drafters.pld import PromptLookup
+from .drafters.recycling import TokenRecycling
+
+# Per-method defaults, printed by `specgraft generate --help` and written into every record.
+DEFAULTS: dict[str, dict] = {
+    "ar": {"budget": 0},
+    "pld": {"budget": 10, "max_ngram": 3},
+    "recycle": {"budget": 80, "k": 8, "scope": "cold"},
+    "draft": {"budget": 4, "model": "qwen2.5-coder-0.5b", "shape": "chain", "top_k": 8, "depth": 5},
+    # EAGLE-3: 60 verified tokens incl. the root, depth 7 (depth 5 is EAGLE-2's and under-drafts, EAGLE#209).
+    "eagle": {"budget": 59, "head": "auto", "top_k": 10, "depth": 7},
+    # Graft (lossless): prune at calibrated checkpoints, fill freed slots from the matrix. drafter: eagle,
+    # draft-tree or draft-chain; variant: graft | fixed | root | batch (trees), tail (chains); "auto" top_k /
+    # depth = the inner drafter's defaults; calibration: "auto" (beside the head), "none" or a directory.
+    "graft": {"budget": 59, "drafter": "eagle", "variant": "graft", "head": "auto", "model": "qwen2.5-coder-0.5b",
+              "top_k": "auto", "depth": "auto", "k": 8, "scope": "request", "dedup": "merge",
+              "calibration": "auto", "rho": "auto", "matrix": "auto", "tpl_depth": "auto", "tpl_width": "auto"},
+    # Pruning only (no retrieval): echo (Graft's calibrated gate), ddd, svip; param overrides ddd/svip's level.
+    "prune": {"budget": 59, "drafter": "eagle", "policy": "echo", "param": "auto", "head": "auto",
+              "model": "qwen2.5-coder-0.5b", "top_k": "auto", "depth": "auto", "calibration": "auto", "rho": "auto"},
+    # Outside reference, not a drafter: transformers' assisted generation with a draft model (reference.py).
+    "hf_assisted": {"budget": 0, "model": "qwen2.5-coder-0.5b"},
+}
+METHODS = tuple(DEFAULTS)
+
+
+def make_drafter(method: str, vocab_size: int, dtype: str = "float32", target=None, target_name: str = "custom",
+                 **options) -> Drafter:
+    """Build a drafter; ``options`` override ``DEFAULTS[method]`` (``budget`` is the loop's, not the drafter's).
+
+    ``target`` (the HF model) and ``target_name`` are needed by drafters bound to the target (EAGLE heads).
+    """
+    if method not in DEFAULTS:
+        raise SpecgraftError(f"unknown method '{method}'; choose one of: {', '.join(METHODS)}")
+    unknown = set(options) - set(DEFAULTS[method])
+    if unknown:
+        raise SpecgraftError(f"method '{method}' has no option(s) {sorted(unknown)}; it takes {sorted(DEFAULTS[method])}")
+    opts = {**DEFAULTS[method], **options}  # "budget" belongs to the loop; drafters read it from the context
+    try:
+        if method == "ar":
+            return NoDraft()
+        if method == "hf_assisted":
+            raise SpecgraftError("hf_assisted runs transformers' own loop; use Engine.generate, not a drafter")
+        if method == "pld":
+            return PromptLookup(max_ngram=opts["max_ngram"])
+        if method == "draft":
+            return _draft_model(opts["model"], vocab_size, dtype, opts["shape"], opts["top_k"], opts["depth"])
+        if method == "eagle":
+            return _eagle(opts["head"], target, target_name, opts["top_k"], opts["depth"])
+        if method in ("graft", "prune"):
+            return _graft(method, opts, vocab_size, dtype, target, target_name)
+        return TokenRecycling(vocab_size, k=opts["k"], scope=opts["scope"])
+    except (ValueError, TypeError) as err:
+        raise SpecgraftError(str(err)) from err
+
+
+def _draft_model(model, vocab_size: int, dtype: str, shape: str, top_k: int, depth: int) -> DraftModelDrafter:
+    """``model``: a registry name, a local directory, or an already loaded ``nn.Module`` (tests)."""
+    if isinstance(model, str):
+        from .models import load
+
+        label = model
+        model, _ = load(model, dtype)
+    else:
+        label = type(model).__name__
+    draft_vocab = int(model.get_output_embeddings().weight.shape[0])
+    if draft_vocab != vocab_size:
+        raise SpecgraftError(f"draft model '{label}' has a vocabulary of {draft_vocab} tokens but the target has "
+                             f"{vocab_size}; a draft model must share the target's tokenizer")
+    return DraftModelDrafter(model, label, shape, top_k, depth)
+
+
+def shipped_head(target_name: str):
+    """The head committed for a registry model (``src/specgraft/heads/<name>``), or None."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "heads" / target_name
+    return path if (path / "config.json").exists() else None
+
+
+def _eagle(head, target, target_name: str, top_k: int, depth: int) -> EagleDrafter:
+    """``head``: "auto" (the head shipped for the target), a checkpoint directory, or a loaded head (tests)."""
+    from .eagle.head import Eagle3Head
+    from .eagle.checkpoint import load_head
+
+    if target is None:
+        raise SpecgraftError("method 'eagle' needs the target model (use Engine.drafter)")
+    if isinstance(head, Eagle3Head):
+        return EagleDrafter(head, "custom", top_k, depth)
+    path = shipped_head(target_name) if head == "auto" else head
+    if path is None:
+        raise SpecgraftError(f"no EAGLE-3 head ships for model '{target_name}'; pass --opt head=DIR or train one "
+                             "with `specgraft train-head`")
+    return EagleDrafter(load_head(path, target), str(head if head != "auto" else f"auto ({target_name})"), top_k,
+                        depth)
+
+
+INNER_KINDS = ("eagle", "draft-tree", "draft-chain")
+
+
+def _inner(opts: dict, vocab_size: int, dtype: str, target, target_name: str):
+    kind = opts["drafter"]
+    if kind not in INNER_KINDS:
+        raise SpecgraftError(f"unknown drafter '{kind}' for {opts.get('variant', 'prune')}; choose one of: "
+                             f"{', '.join(INNER_KINDS)}")
+    if kind == "eagle":
+        d = DEFAULTS["eagle"]
+        return _eagle(opts["head"], target, target_name, d["top_k"] if opts["top_k"] == "auto" else opts["top_k"],
+                      d["depth"] if opts["depth"] == "auto" else opts["depth"])
+    d = DEFAULTS["draft"]
+    return _draft_model(opts["model"], vocab_size, dtype, kind.split("-")[1],
+                        d["top_k"] if opts["top_k"] == "auto" else opts["top_k"],
+                        d["depth"] if opts["depth"] == "auto" else opts["depth"])
+
+
+def calibration_dir(opts: dict, target_name: str):
+    """Where ``specgraft calibrate`` writes and Graft reads: ``<head dir>/graft-<drafter>`` (the shipped head's
+    directory for draft models too), else the user cache."""
+    from pathlib import Path
+
+    from .models import cache_root
+
+    kind = opts["drafter"]
+    base = None
+    if kind == "eagle" and opts.get("head", "auto") != "auto" and isinstance(opts["head"], (str, Path)):
+        base = Path(opts["head"])
+    elif shipped_head(target_name) is not None:
+        base = shipped_head(target_name)
+    if base is None:
+        base = cache_root() / "graft" / target_name
+    return base / f"graft-{kind}"
+
+
+def _graft(method: str, opts: dict, vocab_size: int, dtype: str, target, target_name: str):
+    from pathlib import Path
+
+    from .graft.calibration import Calibration
+    from .graft.pruning import make_policy
+    from .graft.drafter import GraftDrafter
+
+    inner = _inner(opts, vocab_size, dtype, target, target_name)
+    cal, where = None, "fallback"
+    if opts["calibration"] != "none":
+        path = calibration_dir(opts, target_name) if opts["calibration"] == "auto" else Path(opts["calibration"])
+        if (path / "calibration.json").exists():
+            cal, where = Calibration.load(path), str(path)
+        elif opts["calibration"] != "auto":
+            raise SpecgraftError(f"no calibration in {path} (run `specgraft calibrate`)")
+    thresholds = cal.thresholds if cal else None
+    if opts["rho"] != "auto":  # thresholds at another rho, from the stored fits
+        if cal is None or not 0 < float(opts["rho"]) < 1:
+            raise SpecgraftError("rho needs a calibration and a value in (0, 1)")
+        thresholds = cal.thresholds_for(float(opts["rho"]))
+    if method == "prune":
+        param = None if opts["param"] == "auto" else float(opts["param"])
+        policy = make_policy(opts["policy"], thresholds, param)
+        return GraftDrafter(inner, vocab_size, "prune", policy, name=f"prune-{opts['policy']}", calibration=where,
+                            tau_tail=cal.tau_tail if cal else 0.1,
+                            calibration_info=cal.provenance() if cal else None)
+    k = opts["k"]
+    # matrix: "auto" = the calibration's warm-up snapshot, "cold" = none, or another calibration directory's
+    src = cal if opts["matrix"] == "auto" else None
+    if opts["matrix"] not in ("auto", "cold"):
+        src = Calibration.load(Path(opts["matrix"]))
+    snapshot = src.snapshot if src is not None and src.snapshot is not None \
+        and int(src.snapshot["succ"].shape[1]) == k else None
+    sweep = None
+    if (opts["tpl_depth"], opts["tpl_width"]) != ("auto", "auto"):
+        sweep = (9 if opts["tpl_depth"] == "auto" else int(opts["tpl_depth"]),
+                 10 if opts["tpl_width"] == "auto" else int(opts["tpl_width"]))
+        if sweep[0] < 1 or sweep[1] < 1:
+            raise SpecgraftError("tpl_depth and tpl_width must be >= 1")
+    return GraftDrafter(inner, vocab_size, opts["variant"], make_policy("echo", thresholds), k=k,
+                        scope=opts["scope"], snapshot=snapshot, dedup=opts["dedup"],
+                        tau_tail=cal.tau_tail if cal else 0.1, rank_weights=cal.rank_weights if cal else None,
+                        calibration=where, sweep=sweep, matrix_source=str(opts["matrix"]),
+                        calibration_info=cal.provenance() if cal else None)
+
+
+__all__ = ["DraftModelDrafter", "EagleDrafter", "DEFAULTS", "METHODS", "DraftContext", "Drafter", "NoDraft", "PromptLookup", "TokenRecycling",
+           "make_drafter"]

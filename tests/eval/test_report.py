@@ -1,0 +1,197 @@
+"""``specgraft report`` statistics on synthetic records: bootstrap intervals, per-prompt table, goals, noise
+pairs, provenance, and the CLI options."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from specgraft.eval import report_stats as rs
+from specgraft.errors import SpecgraftError
+from specgraft.eval.report import Report, exactness, markdown
+
+
+def make_record(label, prompt_id, *, tok_s=10.0, mat=1.0, tokens=100, turn=0, n_turns=1, seed=0, dataset="ds",
+                spec=None, commit="abc1234", dirty=False, calibration_info=None):
+    """A harness-shaped record: ``tokens`` new tokens at ``tok_s`` tokens/s with ``mat`` tokens per step."""
+    steps = 0 if label == "ar" else max(1, round(tokens / mat))
+    extra = tokens - (tokens // steps) * steps if steps else 0
+    accepts = [tokens // steps - 1 + (j < extra) for j in range(steps)]  # sum(a + 1) == tokens
+    drafter = {"method": label.split(":")[0]}
+    if calibration_info is not None:
+        drafter["calibration_info"] = calibration_info
+    wall = tokens / tok_s
+    rec = {"schema": 1, "dataset": dataset, "prompt_id": str(prompt_id), "category": "c", "turn": turn,
+           "n_turns": n_turns, "seed": seed, "label": label, "method": label.split(":")[0],
+           "method_config": {"drafter": drafter}, "model": "m", "dtype": "float32", "max_new_tokens": 256,
+           "sampling": {"temperature": 0.0}, "greedy": True, "lossy": False,
+           "machine": {"cpu": "cpu", "cores": 2, "threads": 2}, "versions": {}, "commit": commit, "dirty": dirty,
+           "prompt_tokens": 10, "output_ids": list(range(tokens)), "text": "", "new_tokens": tokens,
+           "steps": steps, "accept_lengths": accepts, "mat": mat, "depth_trials": [], "depth_accepts": [],
+           "tree_nodes": 0, "wall_s": wall, "prefill_s": 0.0, "draft_s": 0.0, "verify_s": wall, "other_s": 0.0,
+           "retrieval_state": None}
+    if spec is not None:
+        rec["spec"] = spec
+    return rec
+
+
+def make_run(n_prompts, speedups, *, noise=0.0, seed=0, **kw):
+    """AR at 10 tok/s plus one label per entry of ``speedups`` ({label: speedup}) on ``n_prompts`` prompts;
+    each prompt's speed gets a multiplicative log-normal ``noise``."""
+    rng = np.random.default_rng(seed)
+    recs = []
+    for i in range(n_prompts):
+        recs.append(make_record("ar", i, tok_s=10.0, **kw))
+        for label, sp in speedups.items():
+            recs.append(make_record(label, i, tok_s=10.0 * sp * float(np.exp(rng.normal(0, noise))), mat=2.0, **kw))
+    return recs
+
+
+def report_of(recs):
+    labels = list(dict.fromkeys(r["label"] for r in recs))
+    labels.remove("ar")
+    labels.insert(0, "ar")
+    mm, missing = exactness(recs, labels)
+    return Report(recs, [], labels, mm, missing)
+
+
+def test_interval_contains_point_and_shrinks_with_more_prompts():
+    widths = []
+    for n in (10, 250):
+        est = rs.speedup_ci(rs.per_prompt(make_run(n, {"m": 1.5}, noise=0.3)), "m", "ar")
+        assert est.n == n and est.lo <= est.point <= est.hi and est.lo < est.hi
+        widths.append(est.hi - est.lo)
+    assert widths[1] < widths[0] / 2
+
+
+def test_interval_is_the_point_when_prompts_are_identical():
+    est = rs.speedup_ci(rs.per_prompt(make_run(8, {"m": 1.6})), "m", "ar")
+    assert est.point == pytest.approx(1.6) and est.lo == pytest.approx(1.6) and est.hi == pytest.approx(1.6)
+    mat = rs.mat_ci(rs.per_prompt(make_run(8, {"m": 1.6})), "m")
+    assert (mat.point, mat.lo, mat.hi) == pytest.approx((2.0, 2.0, 2.0))
+
+
+def test_statistic_is_ratio_of_sums_and_deterministic():
+    # Two prompts: one long and fast, one short and slow; the ratio of sums weights by time.
+    recs = [make_record("ar", 0, tokens=100), make_record("m", 0, tokens=100, tok_s=40.0),
+            make_record("ar", 1, tokens=10), make_record("m", 1, tokens=10, tok_s=5.0)]
+    pp = rs.per_prompt(recs)
+    est = rs.speedup_ci(pp, "m", "ar")
+    t_ar, t_m = 10.0 + 1.0, 2.5 + 2.0
+    assert est.point == pytest.approx(t_ar / t_m)
+    assert est == rs.speedup_ci(pp, "m", "ar")  # fixed seed
+
+
+def test_turns_of_a_conversation_resample_together_and_only_paired_keys_count():
+    recs = []
+    for i in range(5):
+        for t in range(2):
+            recs.append(make_record("ar", i, turn=t, n_turns=2))
+            recs.append(make_record("m", i, turn=t, n_turns=2, tok_s=20.0))
+    recs.append(make_record("m", 99, tok_s=1000.0))  # no AR record for this prompt: not paired
+    pp = rs.per_prompt(recs)
+    assert len(pp["ar"]) == 5 and pp["m"][("ds", "0", 0)].tokens == 200
+    est = rs.speedup_ci(pp, "m", "ar")
+    assert est.n == 5 and est.point == pytest.approx(2.0)
+
+
+def test_per_prompt_table_has_one_row_per_prompt():
+    recs = make_run(4, {"a": 1.2, "b": 2.0}) + make_run(4, {"a": 1.2, "b": 2.0}, seed=1, dataset="other")
+    lines = rs.prompt_table(rs.per_prompt(recs), ["ar", "a", "b"])
+    rows = [x for x in lines if x.startswith("| ds/") or x.startswith("| other/")]
+    assert len(rows) == 8
+    assert "| a | b |" in lines[3] and "1.20x / 2.00" in rows[0] and "2.00x / 2.00" in rows[0]
+
+
+def test_goal_met_only_when_lower_bound_clears():
+    recs = make_run(12, {"new": 1.3, "old": 1.0}, noise=0.2)
+    pp = rs.per_prompt(recs)
+    est = rs.speedup_ci(pp, "new", "old")
+    assert est.lo < est.point
+    met = rs.goal_lines(pp, [rs.parse_goal(f"new>old:{est.lo - 0.01:.4f}")])[-1]
+    assert met.endswith("**met**")
+    between = (est.lo + est.point) / 2  # the point clears it, the lower bound does not
+    miss = rs.goal_lines(pp, [rs.parse_goal(f"new>old:{between:.4f}")])[-1]
+    assert f"not met (lower bound {est.lo:.3f})" in miss
+    mat = rs.goal_lines(pp, [rs.parse_goal("mat:new>ar:2")])[-1]
+    assert "MAT ratio" in mat and mat.endswith("**met**")
+
+
+@pytest.mark.parametrize("text", ["graft>eagle", "graft:1.1", "a>b>c:1.2", ">b:1.1", "a>:1.1", "a>b:x", "a>b:-1",
+                                  "a>b:nan"])
+def test_bad_goal_strings(text):
+    with pytest.raises(SpecgraftError, match="bad --goal"):
+        rs.parse_goal(text)
+
+
+def test_goal_parsing_with_colons_in_labels():
+    g = rs.parse_goal("graft:budget=15>eagle:budget=15:1.15")
+    assert (g.label, g.ref, g.ratio, g.metric) == ("graft:budget=15", "eagle:budget=15", 1.15, "speed")
+    g = rs.parse_goal("mat:graft>ar:1")
+    assert (g.label, g.ref, g.metric) == ("graft", "ar", "mat")
+    with pytest.raises(SpecgraftError, match="unknown label 'nope'"):
+        rs.check_labels(["ar", "graft"], None, [rs.parse_goal("nope>ar:1")])
+    with pytest.raises(SpecgraftError, match="unknown reference label 'x'"):
+        rs.check_labels(["ar", "graft"], "x", [])
+
+
+def test_noise_pairs_detected_by_spec():
+    same = {"method": "graft", "options": {"budget": 15}, "verify": "lossless", "sampling": {"temperature": 0}}
+    other = {**same, "options": {"budget": 8}}
+    recs = []
+    for i in range(6):
+        recs += [make_record("ar", i, spec={"method": "ar", "options": {}}),
+                 make_record("g1", i, tok_s=15.0, spec=same), make_record("g2", i, tok_s=15.0 * (1 + i / 100),
+                                                                          spec=dict(reversed(same.items()))),
+                 make_record("g8", i, spec=other), make_record("nospec", i)]
+    labels = ["ar", "g1", "g2", "g8", "nospec"]
+    assert rs.noise_pairs(recs, labels) == [("g1", "g2")]
+    lines = rs.noise_lines(rs.per_prompt(recs), rs.noise_pairs(recs, labels))
+    row = next(x for x in lines if x.startswith("| g2 vs g1"))
+    assert "| 6 |" in row and "1.02x [" in row
+    assert rs.noise_pairs([r for r in recs if "spec" not in r or r["label"] == "g1"], labels) == []
+    assert "Measured noise" in markdown(report_of(recs))
+
+
+def test_markdown_sections_provenance_and_calibration():
+    info = {"source": "sharegpt", "skip": 64, "rounds": 4, "observations": {"0": 120, "1": 80}, "fallback": False}
+    recs = make_run(5, {"g": 1.5, "e": 1.2}, commit="deadbee", dirty=True)
+    for r in recs:
+        if r["label"] == "g":
+            r["method_config"]["drafter"]["calibration_info"] = info
+    md = markdown(report_of(recs), reference="e", goals=["g>e:1.2", "g>ar:1.4"])
+    assert "deadbee (dirty tree" in md
+    assert "| all | g | 5 | 1.50x [1.50, 1.50] | 1.25x [1.25, 1.25] | 2.00 [2.00, 2.00] |" in md
+    assert "`g>e:1.2`" in md and md.count("**met**") == 2
+    cal = md.split("## Calibration")[1].split("##")[0]
+    assert "- g: source: sharegpt, skip: 64, rounds: 4" in cal and '{"0": 120, "1": 80}' in cal and "- e" not in cal
+    assert "| all | ar |" in md and "## Per prompt" in md
+
+
+def test_no_ar_records_still_reports():
+    recs = [make_record("m", i) for i in range(3)] + [make_record("n", i, tok_s=12.0) for i in range(3)]
+    md = markdown(Report(recs, [], ["m", "n"], {}, []), reference="m")
+    assert "n/a (no AR)" in md and "| all | n | 3 | n/a (no AR) | 1.20x [1.20, 1.20] |" in md
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "specgraft", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_reference_and_goals(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in make_run(6, {"graft:budget=15": 1.5, "eagle": 1.2},
+                                                                     noise=0.1)))
+    r = cli("report", str(path), "--reference", "eagle", "--goal", "graft:budget=15>eagle:1.0",
+            "--goal", "mat:eagle>ar:1.5")
+    assert r.returncode == 0, r.stderr
+    assert "speedup vs eagle [95% CI]" in r.stdout and "## Goals" in r.stdout and r.stdout.count("**met**") == 2
+    for args, message in [(["--goal", "graft>eagle"], "bad --goal 'graft>eagle'"),
+                          (["--reference", "nope"], "unknown reference label 'nope'"),
+                          (["--goal", "graft>eagle:1.1"], "unknown label 'graft'")]:
+        r = cli("report", str(path), *args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+        assert not r.stdout.strip()

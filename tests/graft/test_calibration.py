@@ -1,0 +1,96 @@
+"""Calibration (isotonic fit, thresholds, save/load, resumable run) and budget autotune (exact MAT replay)."""
+
+import random
+
+import pytest
+import torch
+
+from specgraft.graft.autotune import choose_budget, expected_mat, interpolate
+from specgraft.graft.calibration import Calibration, fit_threshold, isotonic, run_calibration
+from specgraft.engine import Engine
+from specgraft.registry import make_drafter
+from specgraft.errors import SpecgraftError
+
+from ..conftest import tiny_llama
+from ..eagle.test_head import random_head
+
+
+def test_isotonic_is_monotone_and_weighted():
+    assert isotonic([0.1, 0.3, 0.2, 0.5], [1, 1, 1, 1]) == pytest.approx([0.1, 0.25, 0.25, 0.5])
+    assert isotonic([0.6, 0.2], [3, 1]) == pytest.approx([0.5, 0.5])
+    assert isotonic([0.1, 0.2, 0.3], [1, 1, 1]) == [0.1, 0.2, 0.3]
+
+
+def test_fit_threshold_finds_the_crossing_and_falls_back():
+    rng = random.Random(0)
+    conf = [rng.random() for _ in range(4000)]
+    outcome = [int(rng.random() < c) for c in conf]  # P(pays | c) = c: crossing at rho
+    tau, info = fit_threshold(conf, outcome, rho=0.5)
+    assert 0.4 < tau < 0.6 and info["n"] == 4000
+    tau, _ = fit_threshold(conf, outcome, rho=0.8)
+    assert 0.7 < tau < 0.9
+    tau, info = fit_threshold(conf[:50], outcome[:50], rho=0.5, fallback=0.33)
+    assert tau == 0.33 and "fallback" in info["rule"]
+    assert fit_threshold(conf, [1] * 4000)[0] == 0.02  # always pays: clamped low
+    assert fit_threshold(conf, [0] * 4000)[0] == 0.9  # never pays: clamped high
+
+
+def test_expected_mat_replays_smaller_budgets():
+    ranks = [[0, 2, 5], [], [1], [0, 1, 3, 9]]
+    assert expected_mat(ranks, 100) == pytest.approx((4 + 1 + 2 + 5) / 4)
+    assert expected_mat(ranks, 1) == pytest.approx((2 + 1 + 1 + 2) / 4)
+    assert expected_mat(ranks, 3) == pytest.approx((3 + 1 + 2 + 3) / 4)
+    curve = {1: 0.1, 16: 0.1, 64: 0.4}
+    assert interpolate(curve, 40) == pytest.approx(0.25) and interpolate(curve, 80) == pytest.approx(0.5)
+    best, table = choose_budget(curve, ranks, 0.0, 30)
+    assert best == 10 and len(table) == 30  # slots up to 16 are free; rank 9 is the deepest accepted: 10 suffices
+    with pytest.raises(SpecgraftError, match="calibrate"):
+        choose_budget(curve, [], 0.0, 30)
+
+
+def test_calibration_run_saves_loads_and_resumes(tmp_path):
+    from transformers import AutoTokenizer
+
+    from specgraft import models
+
+    tok = AutoTokenizer.from_pretrained(models.resolve("smollm2-135m"))
+    target = tiny_llama(vocab=len(tok), layers=4, scale=8.0)
+    engine = Engine.from_model(target, tok, "tiny")
+    ids = list(range(len(tok)))[:64]
+    inner = make_drafter(
+        "eagle", len(tok), target=target, head=random_head(target, ids), top_k=3, depth=5)
+    convs = [(str(i), [{"role": "user", "content": f"Count to {i} please."},
+                       {"role": "assistant", "content": " ".join(map(str, range(i)))}]) for i in range(3, 9)]
+    state = tmp_path / "state.pt"
+    cal = run_calibration(engine, inner, convs, rounds=2, max_new_tokens=24, budget=12, extra=1, state_path=state)
+    assert cal.meta["round"] == 2 and cal.meta["extra"] == 1 and cal.meta["rows_filled"] > 0
+    assert len(cal.accepted_ranks) == cal.meta["steps"] and all(r == sorted(r) for r in cal.accepted_ranks)
+    assert cal.thresholds == (0.35, 0.25, 0.15)  # < 200 observations: the fallback, said so in the fits
+    assert all("fallback" in f["rule"] for f in cal.meta["fits"].values())
+    cal.save(tmp_path / "cal")
+    back = Calibration.load(tmp_path / "cal")
+    assert back.thresholds == cal.thresholds and back.accepted_ranks == cal.accepted_ranks
+    assert torch.equal(back.snapshot["succ"], cal.snapshot["succ"])
+    # resume: the state file says both rounds are done, so nothing is decoded again
+    again = run_calibration(engine, inner, convs, rounds=2, max_new_tokens=24, budget=12, extra=1, state_path=state)
+    assert again.meta["steps"] == cal.meta["steps"] and again.meta["seconds"] == pytest.approx(cal.meta["seconds"])
+    with pytest.raises(SpecgraftError, match="no calibration"):
+        Calibration.load(tmp_path / "nothing")
+
+
+def test_provenance_states_data_size_and_fallbacks():
+    tree = Calibration(meta={"data": "sharegpt (default)", "skip": 1000, "rounds": 8, "rho": 0.5, "drafter": "eagle",
+                             "fits": {"0": {"n": 164, "rule": "fallback (< 200 observations)"},
+                                      "1": {"n": 250, "rule": "first bin with monotone rate >= 0.5",
+                                            "rate": [0.1, 0.3, 0.6]},
+                                      "5": {"n": 250, "rule": "first bin with monotone rate >= 0.5",
+                                            "rate": [0.0, 0.2, 0.4]}},
+                             "tail_fit": {"n": 0, "rule": "fallback (< 200 observations)"}})
+    p = tree.provenance()
+    assert p["data"] == "sharegpt (default)" and p["skip"] == 1000
+    assert p["observations"] == {"0": 164, "1": 250, "5": 250}  # a tree reports its checkpoints, not the tail
+    assert p["fallback"] == ["0"] and p["no_bin_reached_rho"] == ["5"]
+    chain = Calibration(meta={"drafter": "draft-chain", "rho": 0.5, "fits": {"0": {"n": 0, "rule": "fallback"}},
+                              "tail_fit": {"n": 2100, "rule": "first bin", "rate": [0.2, 0.7]}})
+    assert chain.provenance()["observations"] == {"tail": 2100} and chain.provenance()["fallback"] == []
+    assert Calibration().provenance()["data"] == "unrecorded"
