@@ -15,8 +15,8 @@ import argparse
 import time
 
 from specgraft import Engine
-from specgraft.datasets import load_dataset
-from specgraft.harness import WARMUP_PROMPT
+from specgraft.eval.datasets import load_dataset
+from specgraft.eval.harness import WARMUP_PROMPT
 
 SPLITS = (("mtbench", 10, 5), ("humaneval", 20, 10), ("gsm8k", 50, 25))  # name, stride, offset (dev split)
 OPTS = {"shape": "tree", "top_k": 4, "depth": 4, "budget": 16}

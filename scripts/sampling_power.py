@@ -9,7 +9,7 @@ For every CI distribution-test setup (same draw counts as CI) this prints one Ma
   at the CI alpha (tests.stattest.ALPHA) and at alpha = 0.01 (calibration: about 1% is expected there);
 - power: the fraction of seeds on which the check fails when the counts are a multinomial sample of the
   EXACT distribution a buggy verifier induces, computed by recursion over the tree (or the chain) on the
-  table model of tests/test_verify.py. Bugs:
+  table model of tests/core/test_verify.py. Bugs:
   tree (i)   sibling retry zeroes r[x] after a rejection but does not renormalise r (later siblings are
              accepted with p[x] instead of p[x] / (1 - sum of tried p)); the bonus is drawn from r (normalised
              by the sampler, so the residual itself is right);
@@ -17,7 +17,7 @@ For every CI distribution-test setup (same draw counts as CI) this prints one Ma
   chain (i)  the correction after a rejection is drawn from p instead of norm((p - q)+);
   chain (ii) at full acceptance the bonus is drawn from the last draft's row p[g-1] instead of p[g].
 A test that checks several distributions (several trees, rules or sampling settings) fails when any check
-fails; the rates are per test. Loop-level setups (tiny random Llamas through the decode loop) get the
+fails; the rates are per test. Loop-level setups (tiny random Llamas through the engine loop) get the
 false-alarm rate only: their buggy distributions depend on drafter state and randomness, and each loop run
 costs tens of milliseconds, so their power is shown by the CI negative controls (tests/stattest.check_loop).
 """
@@ -25,7 +25,6 @@ costs tens of milliseconds, so their power is shown by the CI negative controls 
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: ``tests`` is a package
 
 from tests.stattest import ALPHA, chisquare_binned  # noqa: E402
-from tests.test_verify import ACCEPT_LENGTH_DRAWS, V, TableModel, dup_tree, random_tree  # noqa: E402
+from tests.core.test_verify import ACCEPT_LENGTH_DRAWS, V, TableModel, dup_tree, random_tree  # noqa: E402
 
 
 # ---- exact distributions on the table model -----------------------------------------------------------
@@ -146,7 +145,7 @@ def rate(checks: list, seeds: int, alpha: float, base_seed: int) -> float:
 # ---- the CI setups -------------------------------------------------------------------------------------
 
 def table_setups() -> list:
-    """(test, draws, null checks, {bug: checks or None}) for the table-model tests of tests/test_verify.py."""
+    """(test, draws, null checks, {bug: checks or None}) for the table-model tests of tests/core/test_verify.py."""
     rows = []
     m1 = TableModel(seed=1)
     ar1 = m1.ar_joint()
@@ -187,7 +186,7 @@ def loop_setups() -> list:
     """(test, draws, null checks) for the loop-level tests: exact AR joints of the tiny random Llamas."""
     import torch
 
-    from specgraft.sampling import SamplingParams
+    from specgraft.core.sampling import SamplingParams
     from tests.conftest import tiny_llama
     from tests.test_decode import exact_ar_joint
 
@@ -195,13 +194,13 @@ def loop_setups() -> list:
     params = SamplingParams(temperature=0.9, top_k=5)
     two = exact_ar_joint(tiny_llama(vocab=vocab, scale=3.0, seed=3), prompt, params, vocab)
     four = exact_ar_joint(tiny_llama(vocab=vocab, layers=4, scale=3.0, seed=3), prompt, params, vocab)
-    rows = [("test_decode::test_sampling_through_the_loop_matches_ar_enumeration[correct]", "2 x 5,000",
+    rows = [("test_engine::test_sampling_through_the_loop_matches_ar_enumeration[correct]", "2 x 5,000",
              [(two, two, 5000)] * 2),
             ("test_draft_model::test_chain_sampling_through_the_loop_matches_ar[correct]", "5,000",
              [(two, two, 5000)]),
-            ("test_graft_drafter::test_graft_tree_sampling_through_the_loop_matches_ar[correct]", "5,000",
+            ("graft/test_drafter::test_graft_tree_sampling_through_the_loop_matches_ar[correct]", "5,000",
              [(four, four, 5000)]),
-            ("test_graft_drafter::test_tail_chain_sampling_matches_ar[correct]", "5,000", [(two, two, 5000)]),
+            ("graft/test_drafter::test_tail_chain_sampling_matches_ar[correct]", "5,000", [(two, two, 5000)]),
             ("test_head::test_eagle_sampling_through_the_loop_matches_ar[correct]", "5,000",
              [(four, four, 5000)])]
     sharp = tiny_llama(vocab=vocab, scale=8.0, seed=3)
@@ -211,7 +210,7 @@ def loop_setups() -> list:
         for k, v in exact_ar_joint(sharp, prompt, p, vocab).items():
             e[k[:2]] = e.get(k[:2], 0.0) + v
         trunc.append((e, e, 1000))
-    rows.append(("test_lossy::test_lossless_sd_under_truncation_sampling_matches_ar_truncation_sampling[correct]",
+    rows.append(("lossy/test_rules::test_lossless_sd_under_truncation_sampling_matches_ar_truncation_sampling[correct]",
                  "2 x 1,000", trunc))
     del torch
     return rows

@@ -105,19 +105,19 @@ def assert_matches(counts: dict, expected: dict, n: int, label: str = "", alpha:
 with_negative_control = pytest.mark.parametrize("broken", [False, True], ids=["correct", "broken-verifier"])
 N_NEGATIVE = 300  # draws of a negative control: the broken rule is far off, so few draws fail it
 
-def broken_verify_tree(tree, logits, params, gen, rule=None):
+def broken_verify_tree(tree, logits, params, gen):
     """``verify_tree`` with two realistic slips: the sampling settings are not threaded into the verifier
     (``p`` is the plain softmax of the logits: temperature 1, no top-k / min-p / eta), and after a rejection
     the token is drawn from ``p`` instead of the residual (chains: instead of ``norm((p - q)+)``; trees:
     instead of ``p`` restricted to the untried tokens). Either slip alone is a distribution change of a few
     percent that the loop tests' 5,000 draws catch; together they fail the check within ``N_NEGATIVE``
-    draws, which keeps the negative controls cheap. Greedy and lossy calls are passed through unchanged."""
+    draws, which keeps the negative controls cheap. Greedy calls are passed through unchanged."""
     import torch
 
     from specgraft.core.verify import Verdict, sample_chain, sample_tree, verify_tree
 
-    if params.greedy or (rule is not None and rule.lossy):
-        return verify_tree(tree, logits, params, gen, rule)
+    if params.greedy:
+        return verify_tree(tree, logits, params, gen)
     probs = torch.softmax(logits.double(), -1)
     if tree.draft_probs is not None and tree.size > 1:
         n_acc, nxt = sample_chain(tree.tokens[1:], probs, tree.draft_probs[1:], gen)
@@ -132,7 +132,7 @@ def broken_verify_tree(tree, logits, params, gen, rule=None):
 
 
 def check_loop(monkeypatch, broken: bool, sample, expected: dict, n: int, label: str = ""):
-    """One loop-level distribution check: ``sample(n)`` returns the counts of ``n`` runs through the decode
+    """One loop-level distribution check: ``sample(n)`` returns the counts of ``n`` runs through the engine
     loop. ``broken=False``: they must match ``expected``. ``broken=True`` (the negative control): the loop's
     verifier is replaced by :func:`broken_verify_tree`, and the same check must fail."""
     if not broken:

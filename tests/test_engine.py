@@ -1,28 +1,37 @@
-"""The one decode loop on a tiny random model: greedy equality for every drafter, sampling distribution."""
+"""The engine loop at B = 1 on a tiny random model: greedy equality for every drafter, sampling distribution.
+(B > 1, joining and aborting requests: test_engine_batch.py.)"""
 
-import itertools
 
 import numpy as np
 import torch
 
+from dataclasses import replace
+
 from specgraft.core.backend import TargetBackend
-from specgraft.engine import decode_tokens
+from specgraft.engine import Engine
 from specgraft.registry import make_drafter
 from specgraft.core.drafter import DraftContext
 from specgraft.core.sampling import SamplingParams, target_probs
-from specgraft.core.stats import Stats
 from specgraft.core.tree import Tree
 
 from .conftest import tiny_llama
 from .stattest import N_NEGATIVE, check_loop, with_negative_control
 
 
+def decode(model, drafter, prompt, params, n, budget, eos=frozenset(), verify="lossless"):
+    """One request through the engine (a token-level engine: no tokenizer); its :class:`Generation`."""
+    engine = Engine.from_model(model, None)
+    engine.eos_ids = set(eos)
+    engine.add_request(prompt, drafter=drafter, sampling=params, max_new_tokens=n, budget=budget, verify=verify)
+    (result,) = engine.run().values()
+    return result
+
+
 def run(backend, drafter, prompt, params, n, budget, seed=0, eos=frozenset()):
-    stats = Stats(drafter.name)
-    gen = torch.Generator().manual_seed(seed)
-    out = [t for chunk in decode_tokens(backend, drafter, prompt, params, n, budget, set(eos), stats, gen)
-           for t in chunk]
-    return out, stats
+    """Tokens and stats of one request; ``seed`` seeds its generator unless ``params`` carries one."""
+    params = params if params.greedy or params.seed is not None else replace(params, seed=seed)
+    g = decode(backend.model, drafter, prompt, params, n, budget, eos)
+    return g.token_ids, g.stats
 
 
 def sample_counts(backend, drafter, prompt, params, budget, n=5000, length=3) -> dict:
@@ -66,6 +75,7 @@ class DuplicateDrafter:
 
     name = "dup-test"
     needs_prefill_logits = False
+    forward_s = 0.0
     hidden_layers = ()
 
     def __init__(self, vocab, seed=0):

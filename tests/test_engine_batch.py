@@ -1,84 +1,170 @@
-"""Batch mode: ragged acceptance with masked holes and compaction; outputs equal single-request decoding."""
+"""The engine with B > 1 requests: one batched forward per step, ragged acceptance, requests joining and
+leaving (docs/design.md §2). Greedy outputs equal each request decoded alone; under sampling a request's
+tokens depend only on its own seed."""
 
 import torch
 
-from specgraft.core.backend import TargetBackend
-from specgraft.eval.batch_bench import clone_drafter, decode_batch
-from specgraft.registry import make_drafter
-from specgraft.graft.drafter import GraftDrafter
-from specgraft.drafters.recycling import AdjacencyMatrix
-from specgraft.graft.pruning import SparseGate
 from specgraft.core.sampling import SamplingParams
+from specgraft.engine import Engine
+from specgraft.graft.drafter import GraftDrafter
+from specgraft.graft.pruning import SparseGate
+from specgraft.registry import make_drafter
 
 from .conftest import tiny_llama
-from .stattest import N_NEGATIVE, check_loop, with_negative_control
-from .test_engine import run
 from .eagle.test_head import random_head
+from .stattest import N_NEGATIVE, check_loop, with_negative_control
+from .test_engine import decode
 
 PROMPTS = [[1, 2, 3, 4], [9, 9, 2, 7, 7, 3, 1], [5], [3, 1, 4, 1, 5, 9, 2, 6]]
 
 
-def test_batch_equals_single_requests_with_compaction():
-    target = tiny_llama(vocab=16, layers=4, scale=4.0)
-    backend = TargetBackend(target)
-    refs = [run(backend, make_drafter("ar", 16), p, SamplingParams(), 60, 0)[0] for p in PROMPTS]
+def token_engine(target) -> Engine:
+    engine = Engine.from_model(target, None)
+    engine.eos_ids = set()
+    return engine
+
+
+def mixed_drafters(target):
+    """One drafter per kind the engine batches: EAGLE, Graft (two variants), Token Recycling, PLD, AR."""
     head = random_head(target, [0, 1, 2, 3, 5, 8, 13, 15])
-    eagle = make_drafter("eagle", 16, target=target, head=head, top_k=3, depth=4)
-    graft = GraftDrafter(make_drafter("eagle", 16, target=target, head=head, top_k=3, depth=4), 16, "batch",
-                         SparseGate((0.6, 0.5, 0.4)))
-    shared = AdjacencyMatrix(16, 8)
-    for proto in (eagle, graft, make_drafter("ar", 16)):
-        drafters = [proto if proto.name == "ar" else clone_drafter(proto, shared) for _ in PROMPTS]
-        res = decode_batch(target, drafters, PROMPTS, SamplingParams(), 60, 6, set())
-        assert res.outputs == refs, proto.name
-        assert res.compactions >= 1  # long enough that holes outgrew the valid columns at least once
-        if proto.name != "ar":
-            assert res.mat > 1.0
+
+    def eagle():
+        return make_drafter("eagle", 16, target=target, head=head, top_k=3, depth=4)
+
+    return {"eagle": eagle, "graft-batch": lambda: GraftDrafter(eagle(), 16, "batch", SparseGate((0.6, 0.5, 0.4))),
+            "graft": lambda: GraftDrafter(eagle(), 16, "graft", SparseGate((0.6, 0.5, 0.4))),
+            "recycle": lambda: make_drafter("recycle", 16), "pld": lambda: make_drafter("pld", 16),
+            "ar": lambda: make_drafter("ar", 16)}
 
 
-def test_graft_batch_fills_fixed_slots_from_one_shared_matrix():
+def test_batch_equals_single_requests_mixed_methods():
+    target = tiny_llama(vocab=16, layers=4, scale=4.0)
+    refs = [decode(target, make_drafter("ar", 16), p, SamplingParams(), 60, 0).token_ids for p in PROMPTS]
+    kinds = mixed_drafters(target)
+    names = list(kinds)
+    for shift in range(2):  # every prompt meets two different methods
+        engine = token_engine(target)
+        ids = {}
+        for i, p in enumerate(PROMPTS):
+            name = names[(i + shift * 3) % len(names)]
+            ids[engine.add_request(p, drafter=kinds[name](), max_new_tokens=60, budget=6)] = (i, name)
+        widest = 0
+        results = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    results[o.request_id] = o.result
+            if engine.active:  # the cache holds the longest prefix plus at most one tree's columns
+                width = engine.backend.cache.layers[0].keys.shape[2]
+                assert width <= max(engine.backend.lengths) + 7
+                widest = max(widest, width)
+        for rid, (i, name) in ids.items():
+            assert results[rid].token_ids == refs[i], (name, i)
+            assert results[rid].finish_reason == "length"
+            if name != "ar":
+                assert results[rid].stats.mat > 1.0, name
+        assert engine.backend.rows == 0 and engine.backend.cache is None
+        assert widest > 60  # the cache grew with the sequences (no premature truncation)
+
+
+def test_requests_join_mid_flight_and_abort():
+    target = tiny_llama(vocab=16, layers=4, scale=4.0)
+    kinds = mixed_drafters(target)
+    refs = [decode(target, kinds["graft"](), p, SamplingParams(), 40, 6).token_ids for p in PROMPTS]
+    engine = token_engine(target)
+    a = engine.add_request(PROMPTS[0], drafter=kinds["graft"](), max_new_tokens=40, budget=6)
+    b = engine.add_request(PROMPTS[1], drafter=kinds["graft"](), max_new_tokens=40, budget=6)
+    streamed: dict[int, list[int]] = {}
+    results = {}
+    late = {}
+    for step in range(200):
+        if step == 3:  # two requests join after three steps
+            late[engine.add_request(PROMPTS[2], drafter=kinds["graft"](), max_new_tokens=40, budget=6)] = 2
+            late[engine.add_request(PROMPTS[3], drafter=kinds["graft"](), max_new_tokens=40, budget=6)] = 3
+        if step == 5:
+            assert engine.abort(b) and not engine.abort(12345)
+        for o in engine.step():
+            streamed.setdefault(o.request_id, []).extend(o.token_ids)
+            if o.finished:
+                results[o.request_id] = o.result
+        assert engine.backend.rows == len(engine.active)
+        if not engine.has_unfinished():
+            break
+    assert results[a].token_ids == refs[0] == streamed[a]
+    for rid, i in late.items():
+        assert results[rid].token_ids == refs[i] == streamed[rid]
+    aborted = results[b]
+    assert aborted.finish_reason == "abort" and 1 <= len(aborted.token_ids) < 40
+    assert aborted.token_ids == refs[1][: len(aborted.token_ids)] == streamed[b]
+    assert not engine.abort(b)  # already gone
+
+
+def test_graft_forks_share_the_matrix_only_with_global_scope():
     target = tiny_llama(vocab=16, layers=4, scale=4.0)
     head = random_head(target, list(range(16)), seed=2)
     with torch.no_grad():
         head.lm_head.weight.div_(20)  # an unsure head: stages fire, retrieval replaces draft nodes
-    proto = GraftDrafter(make_drafter("eagle", 16, target=target, head=head, top_k=3, depth=6), 16, "batch",
-                         SparseGate((0.9, 0.9, 0.9)))
-    shared = AdjacencyMatrix(16, 8)
-    drafters = [clone_drafter(proto, shared) for _ in PROMPTS]
-    res = decode_batch(target, drafters, PROMPTS, SamplingParams(), 30, 10, set())
-    for d, steps in zip(drafters, res.committed):
-        c = d.counters
-        assert c["offered_retrieval"] > 0 and c["offered_draft"] > 0
-        assert c["offered_retrieval"] + c["offered_draft"] <= 10 * len(steps)
-        assert sum(d.stages.values()) == len(steps)  # a stage decision (or none) at every step
-    assert all(d.matrix is shared for d in drafters) and shared.rows_filled > 0
+    for scope in ("request", "global"):
+        proto = GraftDrafter(make_drafter("eagle", 16, target=target, head=head, top_k=3, depth=6), 16, "batch",
+                             SparseGate((0.9, 0.9, 0.9)), scope=scope)
+        forks = [proto.fork() for _ in PROMPTS]
+        assert all((f.matrix is proto.matrix) == (scope == "global") for f in forks)
+        assert all(f.inner is not proto.inner and f.inner.head is proto.inner.head for f in forks)
+        engine = token_engine(target)
+        for f, p in zip(forks, PROMPTS):
+            engine.add_request(p, drafter=f, max_new_tokens=30, budget=10)
+        results = engine.run()
+        for g in results.values():
+            c, steps = g.config["drafter"]["counters"], g.stats.steps
+            assert c["offered_retrieval"] > 0 and c["offered_draft"] > 0
+            assert c["offered_retrieval"] + c["offered_draft"] <= 10 * steps
+            assert sum(g.config["drafter"]["stage_histogram"].values()) == steps  # a stage decision every step
+        if scope == "request":
+            assert proto.matrix.rows_filled == 0  # every request filled its own matrix
+        else:
+            assert proto.matrix.rows_filled > 0  # one matrix, written by all of them
+
+
+def test_sampled_tokens_depend_only_on_the_request_seed():
+    """The same request (prompt, seed) alone and in a batch of three others with other seeds and methods."""
+    target = tiny_llama(vocab=16, layers=2, scale=2.0, seed=4)
+    kinds = mixed_drafters(target)
+    params = SamplingParams(temperature=0.8, top_k=8, seed=11)
+    for name in ("graft", "recycle", "ar"):
+        alone = decode(target, kinds[name](), PROMPTS[0], params, 30, 6).token_ids
+        engine = token_engine(target)
+        others = [engine.add_request(p, drafter=kinds[n](), sampling=SamplingParams(0.8, 8, seed=s),
+                                     max_new_tokens=n_new, budget=6)
+                  for p, n, s, n_new in ((PROMPTS[1], "eagle", 1, 12), (PROMPTS[3], "pld", 2, 40))]
+        rid = engine.add_request(PROMPTS[0], drafter=kinds[name](), sampling=params, max_new_tokens=30, budget=6)
+        others.append(engine.add_request(PROMPTS[2], drafter=kinds["graft"](), sampling=SamplingParams(0.8, 8, seed=3),
+                                         max_new_tokens=20, budget=6))
+        results = engine.run()
+        assert results[rid].token_ids == alone, name
+        assert len(results) == 4
 
 
 @with_negative_control
 def test_batch_sampling_matches_ar(broken, monkeypatch):
     """Under sampling each request of a batch follows the AR distribution: two requests per batch (the same
-    prompt, own generators), the first three tokens of both pooled; the negative control breaks the verifier
-    the batch loop calls and must fail."""
-    import specgraft.eval.batch_bench
-
-    from .stattest import broken_verify_tree
+    prompt, own seeds), the first three tokens of both pooled; the negative control breaks the verifier the
+    engine calls and must fail."""
     from .test_engine import exact_ar_joint
 
     vocab = 6
     target = tiny_llama(vocab=vocab, scale=3.0, seed=3)
-    params = SamplingParams(temperature=0.9, top_k=5)
     prompt = [1, 2, 3, 1, 2]
-    exact = exact_ar_joint(target, prompt, params, vocab)
-    if broken:
-        monkeypatch.setattr(specgraft.eval.batch_bench, "verify_tree", broken_verify_tree)
+    exact = exact_ar_joint(target, prompt, SamplingParams(temperature=0.9, top_k=5), vocab)
 
     def sample(n: int) -> dict:
         counts: dict = {}
-        for i in range(n // 2):  # seed 2i: generators 2i and 2i + 1, distinct for every request of the run
-            drafters = [make_drafter("recycle", vocab, scope="hot") for _ in range(2)]
-            res = decode_batch(target, drafters, [prompt, prompt], SamplingParams(0.9, 5, seed=2 * i), 3, 8, set())
-            for out in res.outputs:
-                counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+        for i in range(n // 2):  # seeds 2i and 2i + 1: distinct for every request of the run
+            engine = token_engine(target)
+            for s in (2 * i, 2 * i + 1):
+                engine.add_request(prompt, drafter=make_drafter("recycle", vocab), max_new_tokens=3, budget=8,
+                                   sampling=SamplingParams(0.9, 5, seed=s))
+            for g in engine.run().values():
+                counts[tuple(g.token_ids)] = counts.get(tuple(g.token_ids), 0) + 1
         return counts
 
     n = N_NEGATIVE if broken else 4000

@@ -160,7 +160,39 @@ def test_hf_assisted_passes_truncation_sampling(monkeypatch):
 
     engine = types.SimpleNamespace(backend=types.SimpleNamespace(model=FakeTarget()), dtype="float32",
                                    vocab_size=16, eos_ids={15})
-    monkeypatch.setattr(reference, "_assistant", lambda *a: object())
+    monkeypatch.setattr(reference, "assistant", lambda *a: object())
     new, st = reference.hf_assisted(engine, [1, 2], SamplingParams(0.7, min_p=0.2, eta=0.01, seed=1), 16, "x")
     assert seen["min_p"] == 0.2 and seen["eta_cutoff"] == 0.01 and seen["do_sample"]
     assert new == [5, 6, 7, 8, 9, 10, 11] and st.steps == 3 and abs(st.mat - 7 / 3) < 1e-9
+
+
+@pytest.mark.slow
+def test_batched_requests_equal_solo_fp32_join_and_abort(smollm2_engine):
+    """The engine with several requests in flight (mixed methods, two joining mid-flight, one aborted) gives each
+    request its solo output token for token (fp32; a divergence is allowed only at an exact tie)."""
+    engine = smollm2_engine
+    plan = [(PROMPTS[0], "eagle", {}), (PROMPTS[1], "graft", {"budget": 15}), (PROMPTS[2], "recycle", {}),
+            (PROMPTS[4], "pld", {}), (PROMPTS[7], "ar", {})]
+    solo = [engine.generate(p, m, max_new_tokens=64, **o) for p, m, o in plan]
+    ids = {engine.add_request(p, m, max_new_tokens=64, **o): i for i, (p, m, o) in enumerate(plan[:3])}
+    results, aborted = {}, None
+    for step in range(400):
+        if step == 4:  # two more join while the first three are mid-flight
+            ids.update({engine.add_request(p, m, max_new_tokens=64, **o): i
+                        for i, (p, m, o) in enumerate(plan[3:], start=3)})
+        if step == 6:
+            aborted = next(r for r, i in ids.items() if i == 2)
+            assert engine.abort(aborted)
+        for o in engine.step():
+            if o.finished:
+                results[o.request_id] = o.result
+        if not engine.has_unfinished():
+            break
+    assert len(results) == len(plan) and engine.backend.rows == 0
+    for rid, i in ids.items():
+        g = results[rid]
+        if rid == aborted:
+            assert g.finish_reason == "abort" and g.token_ids == solo[i].token_ids[: len(g.token_ids)]
+            continue
+        assert_greedy_equal(engine, solo[i], g, f"batched {plan[i][1]}")
+        assert g.text == solo[i].text or g.token_ids != solo[i].token_ids

@@ -1,14 +1,18 @@
-"""The one decode loop, for every method:
+"""The engine: one step loop for any number of requests (docs/design.md §2).
 
-    prefill -> [ drafter.propose (tree within budget) -> backend.verify (one forward)
-                 -> rule -> backend.commit -> drafter.observe ]*
+    add_request -> prefill alone, join the batch cache
+    step        -> every active request's drafter proposes a tree
+                   -> ONE batched target forward verifies all trees
+                   -> each request's rule (lossless, or an opt-in LOSSY one) -> one commit -> each drafter observes
+    abort       -> the request leaves, its cache row is freed
 
-``decode_tokens`` is the loop at the token level; :class:`Engine` adds tokenisation, chat templates,
-stop strings, text streaming and the drafter cache (so a "hot" retrieval matrix survives across requests).
+A single request is B = 1 of the same code. ``generate`` / ``stream`` / ``bench`` / ``batch`` / ``calibrate``
+/ the distortion tool all run on :meth:`Engine.step`; the server's continuous batching calls it directly.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -16,13 +20,19 @@ from typing import Callable, Iterator
 import torch
 
 from .core.backend import TargetBackend
-from .registry import DEFAULTS, DraftContext, Drafter, make_drafter
-from .errors import SpecgraftError
-from .lossy.rules import Rule, parse_rule
+from .core.drafter import DraftContext, Drafter
 from .core.sampling import SamplingParams, make_generator, target_probs
 from .core.stats import Stats
 from .core.tree import Tree
-from .core.verify import verify_tree
+from .core.verify import Verdict, verify_tree
+from .errors import SpecgraftError
+from .lossy.rules import Rule, parse_rule
+from .lossy.verify import verify_tree_lossy
+from .reference import assistant, hf_assisted
+from .registry import DEFAULTS, check_lossy, make_drafter
+from .text import TextState
+
+clock = time.perf_counter
 
 
 def first_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
@@ -32,50 +42,10 @@ def first_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
     return int(torch.multinomial(target_probs(logits, params), 1, generator=gen))
 
 
-def decode_tokens(backend: TargetBackend, drafter: Drafter, prompt_ids: list[int], params: SamplingParams,
-                  max_new_tokens: int, budget: int, eos_ids: set[int], stats: Stats,
-                  gen: torch.Generator, rule: Rule | None = None,
-                  on_verify: Callable[[Tree, torch.Tensor], None] | None = None) -> Iterator[list[int]]:
-    """Yield the tokens each step commits (cut at EOS, which is included, and at ``max_new_tokens``).
-    ``rule``: an opt-in LOSSY verification rule (lossy.py); None = lossless. ``on_verify(tree, logits)``
-    observes every verification (the distortion tool reads the real p and q there)."""
-    clock = time.perf_counter
-    t0 = clock()
-    layers = getattr(drafter, "hidden_layers", ())  # target features a drafter reads (EAGLE heads)
-    pre = backend.prefill(torch.tensor(prompt_ids, dtype=torch.long), drafter.needs_prefill_logits, layers)
-    drafter.start(prompt_ids, pre.logits if drafter.needs_prefill_logits else None, pre.hidden)
-    tok = first_token(pre.logits[-1], params, gen)
-    stats.prefill_s += clock() - t0
-    ids = [*prompt_ids, tok]
-    stats.new_tokens += 1
-    yield [tok]
-    remaining = max_new_tokens - 1
-    while remaining > 0 and tok not in eos_ids:
-        t1 = clock()
-        tree = drafter.propose(DraftContext(ids, budget, params))
-        t2 = clock()
-        out = backend.verify(tree, layers)
-        t3 = clock()
-        if on_verify is not None:
-            on_verify(tree, out.logits)
-        verdict = verify_tree(tree, out.logits, params, gen, rule)
-        backend.commit(verdict.accepted)
-        t4 = clock()
-        drafter.observe(tree, out.logits, verdict, out.hidden)
-        t5 = clock()
-        new = tree.tokens[verdict.accepted[1:]].tolist() + [verdict.bonus]
-        cut = next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))
-        new = new[: min(cut, remaining)]
-        kids = tree.children
-        stats.record_step(verdict.accept_length, [bool(kids[n]) for n in verdict.accepted], len(new),
-                          tree.size - 1)
-        stats.draft_s += (t2 - t1) + (t5 - t4)
-        stats.verify_s += t3 - t2
-        ids.extend(new)
-        stats.new_tokens += len(new)
-        remaining -= len(new)
-        tok = new[-1]
-        yield new
+def cut_at_eos(tokens: list[int], eos_ids: set[int], room: int) -> list[int]:
+    """Tokens up to and including the first EOS, at most ``room`` of them."""
+    end = next((i + 1 for i, t in enumerate(tokens) if t in eos_ids), len(tokens))
+    return tokens[: min(end, room)]
 
 
 @dataclass
@@ -85,46 +55,54 @@ class Generation:
     prompt_ids: list[int]
     stats: Stats
     config: dict = field(default_factory=dict)
+    finish_reason: str = "length"  # eos | stop | length | abort
 
     def to_record(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": len(self.prompt_ids),
-                "config": self.config, "stats": self.stats.to_dict()}
+                "config": self.config, "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
 
 
-class Stream:
-    """Iterate for text pieces; ``result`` holds the :class:`Generation` once iteration ends."""
+@dataclass
+class RequestOutput:
+    """What one step did for one request: its new tokens and text, and the result once it finished."""
 
-    def __init__(self, pieces: Iterator[str]):
-        self._pieces = pieces
-        self.result: Generation | None = None
-
-    def __iter__(self) -> Iterator[str]:
-        yield from self._pieces
-
-
-def chain_drafter(method: str, options: dict) -> bool:
-    """Does this method propose chains that carry the draft distribution ``q`` they were sampled from?"""
-    if method == "draft":
-        return options.get("shape", DEFAULTS["draft"]["shape"]) == "chain"
-    if method == "graft":
-        return options.get("drafter", DEFAULTS["graft"]["drafter"]) == "draft-chain"
-    return False
+    request_id: int
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    result: Generation | None = None
 
 
-def check_lossy(rule: Rule, method: str, options: dict, sampling: SamplingParams) -> None:
-    if sampling.greedy:
-        raise SpecgraftError(f"{rule.spec} needs sampling (temperature > 0); greedy verification has no lossy rules")
-    if method in ("ar", "hf_assisted"):
-        raise SpecgraftError(f"{rule.spec} needs a speculative method, not '{method}'")
-    # Graft-TAIL chains carry one-hot q for retrieved tokens: mixing rules (cos, interp, cap) would accept
-    # those with probability >= 1 - lam whatever the target says, so they need a sampled draft chain.
-    if rule.needs_q and not (method == "draft" and chain_drafter(method, options)):
-        raise SpecgraftError(f"lossy rule '{rule.name}' needs draft probabilities: use a chain drafter "
-                             f"(method draft with shape=chain), not '{method}'")
+VerifyFn = Callable[[Tree, torch.Tensor, SamplingParams, torch.Generator], Verdict]
+
+
+@dataclass
+class Request:
+    id: int
+    prompt_ids: list[int]
+    drafter: Drafter
+    params: SamplingParams
+    max_new_tokens: int
+    budget: int
+    verify: VerifyFn
+    stats: Stats
+    config: dict
+    text: TextState | None  # None: token-level request (no detokenisation, no stop strings)
+    on_verify: Callable[[Tree, torch.Tensor], None] | None = None
+    gen: torch.Generator | None = None
+    ids: list[int] = field(default_factory=list)  # prompt + output: ids[-1] is the next tree's root
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    t0: float = 0.0
+
+    @property
+    def room(self) -> int:
+        return self.max_new_tokens - len(self.output)
 
 
 class Engine:
-    """A loaded target plus cached drafters. ``Engine("smollm2-135m")`` or ``Engine.from_model(m, tok)``."""
+    """A loaded target, cached drafters and the requests in flight. ``Engine("smollm2-135m")`` or
+    ``Engine.from_model(m, tok)``."""
 
     def __init__(self, model: str = "smollm2-135m", dtype: str = "float32", cache_dir: str | None = None):
         from .models import load
@@ -144,27 +122,29 @@ class Engine:
         self.vocab_size = int(hf_model.get_output_embeddings().weight.shape[0])
         eos = hf_model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
-        self.eos_ids = {int(e) for e in [*eos, tok.eos_token_id] if e is not None}
+        self.eos_ids = {int(e) for e in [*eos, getattr(tok, "eos_token_id", None)] if e is not None}
         self._drafters: dict[tuple, Drafter] = {}
         self._auto: dict[tuple, tuple[int, dict]] = {}
+        self.active: list[Request] = []  # in cache-row order
+        self._done: list[RequestOutput] = []  # outputs produced between steps (prefill, abort)
+        self._ids = itertools.count()
+        self.backlog: list[RequestOutput] = []  # other requests' outputs met while driving one stream
+        self.totals = Stats("engine")  # engine-wide: steps, target forward, drafting, step wall time
 
+    # -- set-up -------------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
         """A user message, or a whole conversation (``[{"role", "content"}, ...]``), as prompt token ids."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if not messages or not all(isinstance(m.get("content"), str) for m in messages) \
                 or not messages[-1]["content"].strip():
             raise SpecgraftError("empty prompt")
-        if chat and getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return self.tokenizer(text, add_special_tokens=False).input_ids
-        return self.tokenizer("\n\n".join(m["content"] for m in messages)).input_ids
+        return chat_ids(self.tokenizer, messages, chat, add_generation_prompt=True)
 
     def drafter(self, method: str, **options) -> Drafter | None:
+        """The cached prototype for ``method`` and ``options``; every request runs a :meth:`fork` of it."""
         options.pop("budget", None)
         if method == "hf_assisted":  # not a drafter: load (and check) the assistant now, run HF's loop later
-            from .reference import _assistant
-
-            _assistant(options.get("model", DEFAULTS[method]["model"]), self.dtype, self.vocab_size)
+            assistant(options.get("model", DEFAULTS[method]["model"]), self.dtype, self.vocab_size)
             return None
         key = (method, tuple(sorted(options.items())))
         if key not in self._drafters:
@@ -173,7 +153,7 @@ class Engine:
         return self._drafters[key]
 
     def auto_budget(self, method: str, options: dict) -> tuple[int, dict]:
-        """``budget="auto"``: resolved once per method and options (autotune.py), then cached."""
+        """``budget="auto"``: resolved once per method and options (graft/autotune.py), then cached."""
         from .graft.autotune import auto_budget
 
         key = ("auto", method, tuple(sorted((k, str(v)) for k, v in options.items())))
@@ -181,23 +161,26 @@ class Engine:
             self._auto[key] = auto_budget(self, method, options)
         return self._auto[key]
 
-    def stream(self, prompt: str | list[dict] | list[int], method: str = "ar", *, sampling: SamplingParams | None = None,
-               max_new_tokens: int = 128, stop: tuple[str, ...] = (), chat: bool = True,
-               budget: int | None = None, verify: str | Rule = "lossless", **method_options) -> Stream:
-        """Validate everything up front (errors raise here, not mid-stream), then return a lazy stream.
-
-        ``verify``: ``"lossless"`` (default) or an opt-in LOSSY rule ``"lossy:RULE:PARAM"`` (lossy.py)."""
+    def _prepare(self, prompt, method: str, sampling: SamplingParams | None, max_new_tokens: int, stop, chat: bool,
+                 budget, verify, drafter: Drafter | None, options: dict) -> Request:
+        """Validate everything and build the request (nothing runs yet): errors raise here."""
         sampling = sampling or SamplingParams()
+        if drafter is not None and method == "ar":
+            method = drafter.name  # a drafter instance: its rules are checked under its own name
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise SpecgraftError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         rule = parse_rule(verify)
         if rule.lossy:
-            check_lossy(rule, method, method_options, sampling)
-        drafter = self.drafter(method, **method_options)
-        budget = DEFAULTS[method]["budget"] if budget is None else budget
+            check_lossy(rule, method, options, sampling)
+        if drafter is None:
+            drafter = self.drafter(method, **options)
+            if drafter is None:
+                raise SpecgraftError("hf_assisted runs transformers' own loop: use Engine.generate or stream")
+            drafter = drafter.fork()
+        budget = DEFAULTS.get(method, {"budget": 0})["budget"] if budget is None else budget
         auto = None
         if budget == "auto":
-            budget, auto = self.auto_budget(method, method_options)
+            budget, auto = self.auto_budget(method, options)
         if not isinstance(budget, int) or budget < 0:
             raise SpecgraftError(f"budget must be an integer >= 0 or 'auto', got {budget!r}")
         is_ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
@@ -208,77 +191,235 @@ class Engine:
         if need > self.backend.max_positions:
             raise SpecgraftError(f"prompt too long: {len(ids)} tokens + {max_new_tokens} new (+ {budget + 1} tree "
                                  f"slots) exceeds the model's {self.backend.max_positions} positions")
+        config = self._config(method, options, budget, sampling, max_new_tokens, chat, stop, rule, auto)
+        verify_fn = verify_tree if not rule.lossy else \
+            (lambda tree, logits, params, gen: verify_tree_lossy(tree, logits, params, gen, rule))
+        text = TextState(self.tokenizer, tuple(stop)) if self.tokenizer is not None else None
+        return Request(next(self._ids), ids, drafter, sampling, max_new_tokens, budget, verify_fn,
+                       Stats(method=drafter.name, verify=rule.spec), config, text)
+
+    def _config(self, method, options, budget, sampling, max_new_tokens, chat, stop, rule, auto) -> dict:
         # A drafter's own ``model`` option (the draft model) is recorded as ``draft_model``: ``model`` is the target.
-        options = {**{k: v for k, v in DEFAULTS[method].items() if k != "budget"},
-                   **{k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in method_options.items()}}
-        config = {"model": self.model_name, "dtype": self.dtype, "method": method, "budget": budget,
-                  **{("draft_model" if k == "model" else k): v for k, v in options.items()},
-                  "sampling": sampling.to_dict(), "max_new_tokens": max_new_tokens, "chat": chat,
-                  "stop": list(stop), "verify": rule.spec, "lossy": rule.lossy,
-                  **({"budget_auto": auto} if auto else {})}
+        opts = {**{k: v for k, v in DEFAULTS.get(method, {}).items() if k != "budget"},
+                **{k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in options.items()}}
+        return {"model": self.model_name, "dtype": self.dtype, "method": method, "budget": budget,
+                **{("draft_model" if k == "model" else k): v for k, v in opts.items()},
+                "sampling": sampling.to_dict(), "max_new_tokens": max_new_tokens, "chat": chat,
+                "stop": list(stop), "verify": rule.spec, "lossy": rule.lossy,
+                **({"budget_auto": auto} if auto else {})}
+
+    # -- the request API ----------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[dict] | list[int], method: str = "ar", *,
+                    sampling: SamplingParams | None = None, max_new_tokens: int = 128, stop: tuple[str, ...] = (),
+                    chat: bool = True, budget: int | str | None = None, verify: str | Rule = "lossless",
+                    drafter: Drafter | None = None, on_verify: Callable[[Tree, torch.Tensor], None] | None = None,
+                    **options) -> int:
+        """Validate, prefill and join the batch; returns the request id. The first token (from the prefill)
+        comes out of the next :meth:`step`. ``drafter``: run this drafter instance instead of ``method``'s
+        (calibration's recorder); ``on_verify(tree, logits)`` sees every verification (the distortion tool)."""
+        req = self._prepare(prompt, method, sampling, max_new_tokens, stop, chat, budget, verify, drafter, options)
+        req.on_verify = on_verify
+        self._admit(req)
+        return req.id
+
+    def _admit(self, req: Request) -> None:
+        req.t0 = t0 = clock()
+        d = req.drafter
+        pre = self.backend.add(torch.tensor(req.prompt_ids, dtype=torch.long), d.needs_prefill_logits,
+                               d.hidden_layers)
+        self.active.append(req)
+        d.start(req.prompt_ids, pre.logits if d.needs_prefill_logits else None, pre.hidden)
+        req.gen = make_generator(req.params.seed)
+        tok = first_token(pre.logits[-1], req.params, req.gen)
+        req.stats.prefill_s += clock() - t0
+        req.ids = [*req.prompt_ids]
+        self._emit(req, [tok], self._done)
+
+    def abort(self, request_id: int) -> bool:
+        """Stop a request now and free its cache row; its final output comes out of the next :meth:`step`.
+        Returns False when it is not in flight (unknown or already finished)."""
+        req = next((r for r in self.active if r.id == request_id), None)
+        if req is None:
+            return False
+        req.finish_reason = "abort"
+        self._done.append(self._finish(req))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.active or self._done)
+
+    def step(self) -> list[RequestOutput]:
+        """Outputs since the last call (prefills, aborts), then one verification step for every active
+        request. Finished requests leave the batch."""
+        outs, self._done = self._done, []
+        if not self.active:
+            return outs
+        t0 = clock()
+        trees, draft_s = [], 0.0
+        fwd0 = sum(r.drafter.forward_s for r in self.active)
+        for r in self.active:
+            t = clock()
+            trees.append(r.drafter.propose(DraftContext(r.ids, r.budget, r.params)))
+            r.stats.draft_s += clock() - t
+            draft_s += clock() - t
+        t1 = clock()
+        layers = tuple(sorted({h for r in self.active for h in r.drafter.hidden_layers}))
+        results = self.backend.verify_batch(trees, layers)
+        forward = clock() - t1
+        verdicts = []
+        for r, tree, res in zip(self.active, trees, results):
+            if r.on_verify is not None:
+                r.on_verify(tree, res.logits)
+            verdicts.append(r.verify(tree, res.logits, r.params, r.gen))
+        self.backend.commit_batch([v.accepted for v in verdicts])
+        fwd1 = 0.0
+        for r, tree, res, v in zip(list(self.active), trees, results, verdicts):
+            t = clock()
+            hidden = {h: res.hidden[h] for h in r.drafter.hidden_layers} if r.drafter.hidden_layers else None
+            r.drafter.observe(tree, res.logits, v, hidden)
+            r.stats.draft_s += clock() - t
+            draft_s += clock() - t
+            fwd1 += r.drafter.forward_s
+            new = cut_at_eos(tree.tokens[v.accepted[1:]].tolist() + [v.bonus], self.eos_ids, r.room)
+            kids = tree.children
+            r.stats.record_step(v.accept_length, [bool(kids[n]) for n in v.accepted], len(new), tree.size - 1)
+            r.stats.verify_s += forward
+            self._emit(r, new, outs)
+        tot = self.totals
+        tot.steps += 1
+        tot.verify_s += forward
+        tot.draft_s += draft_s
+        tot.draft_forward_s += fwd1 - fwd0
+        tot.total_s += clock() - t0
+        return outs
+
+    def _emit(self, req: Request, new: list[int], outs: list[RequestOutput]) -> None:
+        """Append a step's tokens; detect EOS, stop strings and length; finished requests leave."""
+        req.output.extend(new)
+        req.ids.extend(new)
+        req.stats.new_tokens += len(new)
+        piece = ""
+        if new[-1] in self.eos_ids:
+            req.finish_reason = "eos"
+        elif req.room <= 0:
+            req.finish_reason = "length"
+        if req.text is not None:
+            piece, hit = req.text.update(req.output, final=req.finish_reason is not None)
+            if hit is not None:
+                drop = len(req.output) - hit
+                req.output = req.output[:hit]
+                new = new[: max(0, len(new) - drop)]
+                req.finish_reason = "stop"
+        if req.finish_reason is None:
+            outs.append(RequestOutput(req.id, new, piece))
+            return
+        final = self._finish(req)
+        final.token_ids, final.text = new, piece
+        outs.append(final)
+
+    def _finish(self, req: Request) -> RequestOutput:
+        self.backend.remove(self.active.index(req))
+        self.active.remove(req)
+        req.stats.total_s = clock() - req.t0
+        req.stats.draft_forward_s = req.drafter.forward_s
+        described = req.drafter.describe()
+        req.stats.retrieval_state = described.get("retrieval_state")
+        text = req.text.text if req.text is not None else ""
+        gen = Generation(text, req.output, req.prompt_ids, req.stats, {**req.config, "drafter": described},
+                         req.finish_reason or "abort")
+        return RequestOutput(req.id, [], "", True, gen)
+
+    def run(self) -> dict[int, Generation]:
+        """Step until every request in flight has finished; their results by request id."""
+        results = {}
+        while self.has_unfinished():
+            for o in self.step():
+                if o.finished:
+                    results[o.request_id] = o.result
+        return results
+
+    # -- one request at a time: B = 1 of the same loop ------------------------------------------------------
+    def stream(self, prompt: str | list[dict] | list[int], method: str = "ar", *, sampling: SamplingParams | None = None,
+               max_new_tokens: int = 128, stop: tuple[str, ...] = (), chat: bool = True,
+               budget: int | str | None = None, verify: str | Rule = "lossless", **method_options) -> "Stream":
+        """Validate everything up front (errors raise here, not mid-stream), then return a lazy text stream.
+
+        ``verify``: ``"lossless"`` (default) or an opt-in LOSSY rule ``"lossy:RULE:PARAM"`` (lossy/rules.py).
+        Other requests in flight advance too; their outputs are kept in ``self.backlog``."""
+        if method == "hf_assisted":
+            return self._reference(prompt, sampling or SamplingParams(), max_new_tokens, stop, chat, verify,
+                                   method_options)
+        req = self._prepare(prompt, method, sampling, max_new_tokens, stop, chat, budget, verify, None,
+                            method_options)
         stream = Stream(iter(()))
-        if drafter is None:
-            if stop:
-                raise SpecgraftError("hf_assisted does not support stop strings")
-            stream._pieces = self._reference_pieces(stream, ids, sampling, max_new_tokens, config, **method_options)
-            return stream
-        stream._pieces = self._pieces(stream, ids, drafter, sampling, max_new_tokens, budget, stop, config, rule)
+        stream._pieces = self._drive(req, stream)
         return stream
 
-    def _pieces(self, stream: Stream, ids, drafter, sampling, max_new_tokens, budget, stop, config, rule):
-        stats = Stats(method=drafter.name, verify=rule.spec)
-        gen = make_generator(sampling.seed)
-        out: list[int] = []
-        text = full = ""
-        t0 = time.perf_counter()
-        steps = decode_tokens(self.backend, drafter, ids, sampling, max_new_tokens, budget, self.eos_ids,
-                              stats, gen, rule if rule.lossy else None)
-        # Hold back the last (longest stop - 1) characters: a stop string may straddle two steps.
-        hold = max((len(x) for x in stop), default=1) - 1
-        for new in steps:
-            out.extend(new)
-            full = self.tokenizer.decode(out, skip_special_tokens=True)
-            hit = min((full.find(x) for x in stop if x in full), default=-1)
-            if hit >= 0:
-                out = self._trim_to_stop(out, stop)
-                full = full[:hit]
-            ready = len(full) if hit >= 0 else len(full) - hold
-            if ready > len(text) and not full[:ready].endswith("\ufffd"):  # hold back incomplete UTF-8
-                yield full[len(text):ready]
-                text = full[:ready]
-            if hit >= 0:
-                steps.close()
-                break
-        else:
-            if len(full) > len(text):
-                yield full[len(text):]
-                text = full
-        stats.total_s = time.perf_counter() - t0
-        described = drafter.describe()
-        stats.retrieval_state = described.get("retrieval_state")
-        config = {**config, "drafter": described}
-        stream.result = Generation(text, out, ids, stats, config)
+    def _drive(self, req: Request, stream: "Stream") -> Iterator[str]:
+        self._admit(req)
+        while True:
+            for o in self.step():
+                if o.request_id != req.id:
+                    self.backlog.append(o)
+                    continue
+                if o.text:
+                    yield o.text
+                if o.finished:
+                    stream.result = o.result
+                    return
 
-    def _reference_pieces(self, stream: Stream, ids, sampling, max_new_tokens, config, model=None):
-        from .reference import hf_assisted
+    def _reference(self, prompt, sampling, max_new_tokens, stop, chat, verify, options) -> "Stream":
+        """transformers' own assisted generation: an outside reference, not a drafter of this loop."""
+        rule = parse_rule(verify)
+        if rule.lossy:
+            check_lossy(rule, "hf_assisted", options, sampling)
+        if stop:
+            raise SpecgraftError("hf_assisted does not support stop strings")
+        unknown = set(options) - set(DEFAULTS["hf_assisted"])
+        if unknown:
+            raise SpecgraftError(f"method 'hf_assisted' has no option(s) {sorted(unknown)}")
+        model = options.get("model", DEFAULTS["hf_assisted"]["model"])
+        assistant(model, self.dtype, self.vocab_size)
+        ids = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else \
+            self.encode(prompt, chat)
+        config = self._config("hf_assisted", options, 0, sampling, max_new_tokens, chat, stop, rule, None)
+        stream = Stream(iter(()))
 
-        out, stats = hf_assisted(self, ids, sampling, max_new_tokens, model or DEFAULTS["hf_assisted"]["model"])
-        text = self.tokenizer.decode(out, skip_special_tokens=True)
-        yield text
-        stream.result = Generation(text, out, ids, stats, {**config, "drafter": {"method": "hf_assisted"}})
+        def pieces() -> Iterator[str]:
+            out, stats = hf_assisted(self, ids, sampling, max_new_tokens, model)
+            text = self.tokenizer.decode(out, skip_special_tokens=True)
+            yield text
+            stream.result = Generation(text, out, ids, stats, {**config, "drafter": {"method": "hf_assisted"}},
+                                       "eos" if out and out[-1] in self.eos_ids else "length")
 
-    def _trim_to_stop(self, out: list[int], stop) -> list[int]:
-        """Shortest token prefix whose text contains a stop string (a step may overshoot it)."""
-        for n in range(1, len(out) + 1):
-            if any(s in self.tokenizer.decode(out[:n], skip_special_tokens=True) for s in stop):
-                return out[:n]
-        return out
+        stream._pieces = pieces()
+        return stream
 
-    def generate(self, prompt: str | list[int], method: str = "ar", **kwargs) -> Generation:
+    def generate(self, prompt: str | list[dict] | list[int], method: str = "ar", **kwargs) -> Generation:
         stream = self.stream(prompt, method, **kwargs)
         for _ in stream:
             pass
         return stream.result
+
+
+class Stream:
+    """Iterate for text pieces; ``result`` holds the :class:`Generation` once iteration ends."""
+
+    def __init__(self, pieces: Iterator[str]):
+        self._pieces = pieces
+        self.result: Generation | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._pieces
+
+
+def chat_ids(tokenizer, messages: list[dict], chat: bool = True, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation: the chat template when the tokenizer has one, else turns joined by a blank
+    line (base models)."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return tokenizer(text, add_special_tokens=False).input_ids
+    return tokenizer("\n\n".join(m["content"] for m in messages)).input_ids
 
 
 _ENGINES: dict[tuple, Engine] = {}

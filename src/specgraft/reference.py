@@ -17,11 +17,10 @@ from .errors import SpecgraftError
 from .core.sampling import SamplingParams
 from .core.stats import Stats
 
-DEFAULT = {"budget": 0, "model": "qwen2.5-coder-0.5b"}
 _ASSISTANTS: dict[tuple, torch.nn.Module] = {}
 
 
-def _assistant(name: str, dtype: str, vocab_size: int):
+def assistant(name: str, dtype: str, vocab_size: int):
     from .models import load
 
     key = (name, dtype)
@@ -37,7 +36,7 @@ def _assistant(name: str, dtype: str, vocab_size: int):
 def hf_assisted(engine, ids: list[int], sampling: SamplingParams, max_new_tokens: int, model: str):
     """Greedy or sampled ``generate`` with the assistant; returns ``(token_ids, Stats)``."""
     target = engine.backend.model
-    assistant = _assistant(model, engine.dtype, engine.vocab_size)
+    helper = assistant(model, engine.dtype, engine.vocab_size)
     calls = []
     hook = target.register_forward_hook(lambda *a: calls.append(1))
     # Override the model's generation_config (Qwen's ships sampling defaults and repetition_penalty=1.1),
@@ -59,7 +58,7 @@ def hf_assisted(engine, ids: list[int], sampling: SamplingParams, max_new_tokens
     t0 = time.perf_counter()
     try:
         out = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                              assistant_model=assistant, max_new_tokens=max_new_tokens,
+                              assistant_model=helper, max_new_tokens=max_new_tokens,
                               eos_token_id=sorted(engine.eos_ids), pad_token_id=sorted(engine.eos_ids)[0], **kw)
     finally:
         hook.remove()

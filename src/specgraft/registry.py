@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from .errors import SpecgraftError
-from .core.drafter import DraftContext, Drafter, NoDraft
+from pathlib import Path
+
+from .core.drafter import Drafter, NoDraft
+from .core.sampling import SamplingParams
 from .drafters.draft_model import DraftModelDrafter
-from .eagle.drafter import EagleDrafter
 from .drafters.pld import PromptLookup
 from .drafters.recycling import TokenRecycling
+from .eagle.checkpoint import load_head
+from .eagle.drafter import EagleDrafter
+from .eagle.head import Eagle3Head
+from .errors import SpecgraftError
+from .graft.calibration import Calibration
+from .graft.drafter import GraftDrafter
+from .graft.pruning import make_policy
+from .lossy.rules import Rule
+from .models import cache_root, load
 
 # Per-method defaults, printed by `specgraft generate --help` and written into every record.
 DEFAULTS: dict[str, dict] = {
@@ -30,6 +40,10 @@ DEFAULTS: dict[str, dict] = {
     "hf_assisted": {"budget": 0, "model": "qwen2.5-coder-0.5b"},
 }
 METHODS = tuple(DEFAULTS)
+# Per-request keys a benchmark method entry may carry besides the method's options: the verification rule,
+# the truncation-sampling settings the rule is compared against, and a label for repeated configurations.
+SAMPLING_KEYS = ("min_p", "eta")
+LOOP_KEYS = ("verify", *SAMPLING_KEYS, "label")
 
 
 def make_drafter(method: str, vocab_size: int, dtype: str = "float32", target=None, target_name: str = "custom",
@@ -65,8 +79,6 @@ def make_drafter(method: str, vocab_size: int, dtype: str = "float32", target=No
 def _draft_model(model, vocab_size: int, dtype: str, shape: str, top_k: int, depth: int) -> DraftModelDrafter:
     """``model``: a registry name, a local directory, or an already loaded ``nn.Module`` (tests)."""
     if isinstance(model, str):
-        from .models import load
-
         label = model
         model, _ = load(model, dtype)
     else:
@@ -80,17 +92,12 @@ def _draft_model(model, vocab_size: int, dtype: str, shape: str, top_k: int, dep
 
 def shipped_head(target_name: str):
     """The head committed for a registry model (``src/specgraft/heads/<name>``), or None."""
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "heads" / target_name
+    path = Path(__file__).resolve().parent / "heads" / target_name
     return path if (path / "config.json").exists() else None
 
 
 def _eagle(head, target, target_name: str, top_k: int, depth: int) -> EagleDrafter:
     """``head``: "auto" (the head shipped for the target), a checkpoint directory, or a loaded head (tests)."""
-    from .eagle.head import Eagle3Head
-    from .eagle.checkpoint import load_head
-
     if target is None:
         raise SpecgraftError("method 'eagle' needs the target model (use Engine.drafter)")
     if isinstance(head, Eagle3Head):
@@ -106,7 +113,7 @@ def _eagle(head, target, target_name: str, top_k: int, depth: int) -> EagleDraft
 INNER_KINDS = ("eagle", "draft-tree", "draft-chain")
 
 
-def _inner(opts: dict, vocab_size: int, dtype: str, target, target_name: str):
+def inner_drafter(opts: dict, vocab_size: int, dtype: str, target, target_name: str):
     kind = opts["drafter"]
     if kind not in INNER_KINDS:
         raise SpecgraftError(f"unknown drafter '{kind}' for {opts.get('variant', 'prune')}; choose one of: "
@@ -124,10 +131,6 @@ def _inner(opts: dict, vocab_size: int, dtype: str, target, target_name: str):
 def calibration_dir(opts: dict, target_name: str):
     """Where ``specgraft calibrate`` writes and Graft reads: ``<head dir>/graft-<drafter>`` (the shipped head's
     directory for draft models too), else the user cache."""
-    from pathlib import Path
-
-    from .models import cache_root
-
     kind = opts["drafter"]
     base = None
     if kind == "eagle" and opts.get("head", "auto") != "auto" and isinstance(opts["head"], (str, Path)):
@@ -140,13 +143,7 @@ def calibration_dir(opts: dict, target_name: str):
 
 
 def _graft(method: str, opts: dict, vocab_size: int, dtype: str, target, target_name: str):
-    from pathlib import Path
-
-    from .graft.calibration import Calibration
-    from .graft.pruning import make_policy
-    from .graft.drafter import GraftDrafter
-
-    inner = _inner(opts, vocab_size, dtype, target, target_name)
+    inner = inner_drafter(opts, vocab_size, dtype, target, target_name)
     cal, where = None, "fallback"
     if opts["calibration"] != "none":
         path = calibration_dir(opts, target_name) if opts["calibration"] == "auto" else Path(opts["calibration"])
@@ -185,5 +182,27 @@ def _graft(method: str, opts: dict, vocab_size: int, dtype: str, target, target_
                         calibration_info=cal.provenance() if cal else None)
 
 
-__all__ = ["DraftModelDrafter", "EagleDrafter", "DEFAULTS", "METHODS", "DraftContext", "Drafter", "NoDraft", "PromptLookup", "TokenRecycling",
-           "make_drafter"]
+def chain_drafter(method: str, options: dict) -> bool:
+    """Does this method propose chains that carry the draft distribution ``q`` they were sampled from?"""
+    if method == "draft":
+        return options.get("shape", DEFAULTS["draft"]["shape"]) == "chain"
+    if method == "graft":
+        return options.get("drafter", DEFAULTS["graft"]["drafter"]) == "draft-chain"
+    return False
+
+
+def check_lossy(rule: Rule, method: str, options: dict, sampling: SamplingParams) -> None:
+    """Refuse a LOSSY rule where it cannot run: greedy decoding, no speculation, or a rule that needs ``q``
+    on candidates that do not carry it."""
+    if sampling.greedy:
+        raise SpecgraftError(f"{rule.spec} needs sampling (temperature > 0); greedy verification has no lossy rules")
+    if method in ("ar", "hf_assisted"):
+        raise SpecgraftError(f"{rule.spec} needs a speculative method, not '{method}'")
+    # Graft-TAIL chains carry one-hot q for retrieved tokens: mixing rules (cos, interp, cap) would accept
+    # those with probability >= 1 - lam whatever the target says, so they need a sampled draft chain.
+    if rule.needs_q and not (method == "draft" and chain_drafter(method, options)):
+        raise SpecgraftError(f"lossy rule '{rule.name}' needs draft probabilities: use a chain drafter "
+                             f"(method draft with shape=chain), not '{method}'")
+
+
+__all__ = ["DEFAULTS", "METHODS", "check_lossy", "make_drafter"]

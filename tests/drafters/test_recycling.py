@@ -2,7 +2,8 @@ import numpy as np
 import torch
 
 from specgraft.core.drafter import DraftContext
-from specgraft.drafters.recycling import TEMPLATE_222, AdjacencyMatrix, TokenRecycling, compile_template
+from specgraft.drafters.matrix import AdjacencyMatrix, compile_template
+from specgraft.drafters.recycling import TEMPLATE_222, TokenRecycling
 from specgraft.core.tree import SOURCE_RETRIEVAL
 
 

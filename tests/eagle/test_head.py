@@ -59,6 +59,7 @@ class _Recording:
     def __init__(self, inner, sizes):
         self.inner, self.sizes = inner, sizes
         self.name, self.needs_prefill_logits, self.hidden_layers = inner.name, False, inner.hidden_layers
+        self.forward_s = 0.0
 
     def start(self, *a):
         self.inner.start(*a)

@@ -16,7 +16,7 @@ from specgraft.eval.report import Report, exactness, markdown
 def make_record(label, prompt_id, *, tok_s=10.0, mat=1.0, tokens=100, turn=0, n_turns=1, seed=0, dataset="ds",
                 spec=None, commit="abc1234", dirty=False, calibration_info=None):
     """A harness-shaped record: ``tokens`` new tokens at ``tok_s`` tokens/s with ``mat`` tokens per step."""
-    steps = 0 if label == "ar" else max(1, round(tokens / mat))
+    steps = max(1, round(tokens / mat))  # AR: one token per step
     extra = tokens - (tokens // steps) * steps if steps else 0
     accepts = [tokens // steps - 1 + (j < extra) for j in range(steps)]  # sum(a + 1) == tokens
     drafter = {"method": label.split(":")[0]}

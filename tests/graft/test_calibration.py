@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from specgraft.graft.autotune import choose_budget, expected_mat, interpolate
-from specgraft.graft.calibration import Calibration, fit_threshold, isotonic, run_calibration
+from specgraft.graft.calibrate import run_calibration
+from specgraft.graft.calibration import Calibration, fit_threshold, isotonic
 from specgraft.engine import Engine
 from specgraft.registry import make_drafter
 from specgraft.errors import SpecgraftError

@@ -20,6 +20,8 @@ from ..eagle.test_head import random_head
 class _Sizes:
     """Pass-through drafter that records tree sizes and source mixes."""
 
+    forward_s = 0.0
+
     def __init__(self, inner):
         self.inner, self.sizes, self.retrieved = inner, [], 0
         self.name, self.needs_prefill_logits = inner.name, inner.needs_prefill_logits

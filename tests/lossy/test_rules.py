@@ -1,5 +1,5 @@
-"""Lossy verification rules: the spec's vectors (algorithms.md §11.1-11.2), properties, Monte Carlo vs closed
-form through the production verifiers, parsing."""
+"""Lossy verification rules: hand-computed closed-form vectors (the worked ones are in docs/design.md §6),
+properties, Monte Carlo vs closed form through the production verifiers, parsing."""
 
 import math
 
@@ -11,7 +11,7 @@ from specgraft.lossy.rules import (CapOnly, Combined, CoS, InterpOnly, Lenience,
                              eta_threshold, kl, lenience_delta, minp_set, parse_rule, tree_node_yield, truncate, tv)
 from specgraft.core.sampling import SamplingParams, target_probs
 from specgraft.core.tree import Tree
-from specgraft.core.verify import lossy_chain, verify_tree
+from specgraft.lossy.verify import lossy_chain, verify_tree_lossy
 
 from ..stattest import N_NEGATIVE, assert_matches, cells, check_loop, with_negative_control
 
@@ -20,7 +20,7 @@ P = torch.tensor([0.40, 0.25, 0.20, 0.10, 0.05], dtype=D)
 V1 = torch.tensor([0.10, 0.30, 0.20, 0.15, 0.25], dtype=D)
 V2 = torch.tensor([0.05, 0.55, 0.10, 0.05, 0.25], dtype=D)
 
-CHAIN_GOLDEN = [  # (rule, pi on V1, pi on V2), algorithms.md §11.1
+CHAIN_GOLDEN = [  # (rule, pi on V1, pi on V2); lenience 0.5 and SpecCascade 0.3 on V1: docs/design.md §6
     (Rule(), P.tolist(), P.tolist()),
     (Lenience(0.5), [0.25, 0.30, 0.20, 0.15, 0.10], [0.19, 0.50, 0.14, 0.07, 0.10]),
     (CoS(0.3), [0.19, 0.285, 0.20, 0.135, 0.19], [0.155, 0.46, 0.13, 0.065, 0.19]),
@@ -62,7 +62,7 @@ def test_sets_thresholds_delta_and_kl_vectors():
     assert kl(torch.tensor([0.5, 0.5], dtype=D), torch.tensor([1.0, 0.0], dtype=D)) == math.inf
 
 
-TREE_GOLDEN = [  # (children, lenience 0.5, min-p gate 0.3, soft eta 0.2), algorithms.md §11.2
+TREE_GOLDEN = [  # (children, lenience 0.5, min-p gate 0.3, soft eta 0.2); children [1, 0]: docs/design.md §6
     ([1, 0], [0.5, 0.5, 0, 0, 0], [0, 1, 0, 0, 0], [0, 1, 0, 0, 0]),
     ([3, 4], [0.334641, 0.209150, 0.167320, 0.2, 0.088889], [0.470588, 0.294118, 0.235294, 0, 0],
      [0.020194, 0.012621, 0.010097, 0.920495, 0.036592]),
@@ -201,7 +201,7 @@ def test_lossy_chain_later_positions_and_bonus(rule):
                          ids=lambda r: r.spec)
 @pytest.mark.parametrize("children", [[3, 4, 3], [4, 1, 3]])
 def test_lossy_tree_verifier_matches_node_yield(rule, children):
-    """The production verifier (verify_tree -> lossy_tree) emits its first token with tree_node_yield's
+    """The production verifier (verify_tree_lossy -> lossy_tree) emits its first token with tree_node_yield's
     distribution; duplicates are skipped; [4, 1, 3] puts a child inside A after one outside it."""
     tree = Tree.build([0, *children], [-1, 0, 0, 0])
     probs = torch.stack([P] * 4).float()
@@ -210,7 +210,7 @@ def test_lossy_tree_verifier_matches_node_yield(rule, children):
     n = 3000
     counts = torch.zeros(5, dtype=D)
     for _ in range(n):
-        v = verify_tree(tree, logits, SamplingParams(1.0), gen, rule)
+        v = verify_tree_lossy(tree, logits, SamplingParams(1.0), gen, rule)
         counts[int(tree.tokens[v.accepted[1]]) if v.accept_length else v.bonus] += 1
     assert_matches(cells(counts), cells(tree_node_yield(rule, P, children)), n, rule.spec)
 
@@ -225,7 +225,7 @@ def test_combined_tree_gate_differs_from_lenience_inside_the_set():
 def test_lone_root_and_leaves_need_no_gate():
     """A one-node tree (budget 0) under a rule without a tree form: the bonus comes from the target."""
     tree = Tree.build([0], [-1])
-    v = verify_tree(tree, P.float().log()[None], SamplingParams(1.0), torch.Generator().manual_seed(0), CoS(0.5))
+    v = verify_tree_lossy(tree, P.float().log()[None], SamplingParams(1.0), torch.Generator().manual_seed(0), CoS(0.5))
     assert v.accepted == [0] and 0 <= v.bonus < 5
 
 
@@ -297,19 +297,17 @@ def test_parse_rule():
             parse_rule(bad)
 
 
-# ---- through the decode loop (tiny random models) ------------------------------------------------------
+# ---- through the engine loop (tiny random models) ------------------------------------------------------
 
 def _loop_counts(backend, drafter, prompt, params, budget, n, length, rule=None):
     from dataclasses import replace
 
-    from specgraft.engine import decode_tokens
-    from specgraft.core.stats import Stats
+    from ..test_engine import decode
 
     counts: dict = {}
     for i in range(n):
-        gen = torch.Generator().manual_seed(i)
-        out = [t for chunk in decode_tokens(backend, drafter, prompt, replace(params, seed=i), length, budget, set(),
-                                            Stats(drafter.name), gen, rule) for t in chunk]
+        out = decode(backend.model, drafter, prompt, replace(params, seed=i), length, budget,
+                     verify=rule or "lossless").token_ids
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
     return counts
 

@@ -1,15 +1,23 @@
-"""Target backend: an unmodified ``AutoModelForCausalLM`` that verifies whole trees in one forward.
+"""Target backend: an unmodified ``AutoModelForCausalLM`` that verifies B requests' trees in one forward.
 
-It owns the KV cache. The cache always holds exactly the committed prefix (``prefix_len`` tokens); the
-root of the next tree (the last committed token) is *not* cached yet, so each step's forward writes the
-root and every candidate, and :meth:`commit` keeps only the root and the accepted path::
+It owns one KV cache for all active requests (rows). Row ``i`` holds exactly its committed prefix in
+columns ``[0, len_i)``; the root of its next tree (its last committed token) is *not* cached yet. The cache
+is right-padded: columns ``len_i .. L-1`` of a shorter row are holes that the additive mask hides, and
+positions are explicit, so holes never shift RoPE. A step appends ``W`` tree columns for every row at
+``L``; :meth:`commit_batch` copies each row's accepted columns down to ``len_i`` and trims the cache to the
+longest row, so it never grows beyond ``max len + W`` (docs/design.md §2)::
 
-    cache before verify:  [ p0 p1 ... p(P-1) ]
-    verify writes:        [ p0 ... p(P-1) | r  n1 n2 n3 n4 ... ]      (W tree slots)
-    commit([0, 1, 3]):    [ p0 ... p(P-1) | r  n1 n3 ]                (P += 3)
+    B = 1   before verify:  [ p0 ... p(P-1) ]
+            verify writes:  [ p0 ... p(P-1) | r  n1 n2 n3 n4 ]     (W tree slots)
+            commit [0,1,3]: [ p0 ... p(P-1) | r  n1 n3 ]           (P += 3)
 
-Batch size is 1 here; the mask and position builders already carry a batch dimension so that a later
-batch mode can stack requests.
+    B = 2   row 0: [ a a a a a . . | r n n n ]    len 5, accepts [0, 2]  ->  [ a a a a a r n2 ]
+            row 1: [ b b b b b b b | r n n . ]    len 7, accepts [0]     ->  [ b b b b b b b r ]
+                   (. = hole; the cache is then trimmed to max(7, 8) = 8 columns)
+
+A request joins with :meth:`add` (prefilled alone, its row appended) and leaves with :meth:`remove`.
+With one row, :meth:`verify` / :meth:`commit` / :meth:`extend` / :meth:`truncate` are the single-sequence
+API that drafters with their own model (the draft model) use.
 """
 
 from __future__ import annotations
@@ -40,53 +48,136 @@ def check_tree_support(config) -> None:
         )
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """transformers 5.x renamed ``past_key_values`` to ``cache`` in some models; accept both."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class TargetBackend:
     def __init__(self, model: torch.nn.Module):
         check_tree_support(model.config)
         self.model = model.eval()
         self.dtype = next(model.parameters()).dtype
+        self.neg = torch.finfo(self.dtype).min
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
-        self.cache: DynamicCache | None = None
-        self.prefix_len = 0
-        # transformers 5.x renamed `past_key_values` to `cache`; accept both.
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = cache_keyword(model)
+        self.reset()
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
-        self.prefix_len = 0
+        self.cache: DynamicCache | None = None
+        self.lengths: list[int] = []  # committed tokens per row (= the position of its next root)
+        self._col0 = 0  # the first tree column of the last verify
 
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        return max(self.lengths, default=0)
+
+    @property
+    def prefix_len(self) -> int:
+        """The committed length of the only row (single-sequence API)."""
+        if self.rows != 1:
+            raise ValueError(f"prefix_len needs exactly one row, the cache has {self.rows}")
+        return self.lengths[0]
+
+    def _forward(self, ids, positions, mask, hidden_layers, logits_to_keep: int = 0):
+        return self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                          **{self._cache_kw: self.cache}, logits_to_keep=logits_to_keep,
+                          output_hidden_states=bool(hidden_layers))
+
+    # -- rows joining and leaving ------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, all_logits: bool = False, hidden_layers: tuple[int, ...] = ()) -> VerifyOutput:
-        """Cache ``ids: [T]``; logits ``[T, V]`` (or ``[1, V]``: the last position), hidden states ``[T, H]``."""
-        self.reset()
-        out = self.model(
-            input_ids=ids.unsqueeze(0),
-            use_cache=True,
-            **{self._cache_kw: self.cache},
-            logits_to_keep=0 if all_logits else 1,
-            output_hidden_states=bool(hidden_layers),
-        )
-        self.prefix_len = int(ids.shape[0])
+    def add(self, ids: torch.Tensor, all_logits: bool = False, hidden_layers: tuple[int, ...] = ()) -> VerifyOutput:
+        """Prefill ``ids: [T]`` alone and append it as the last row; logits ``[T, V]`` (or ``[1, V]``: the
+        last position), hidden states ``[T, H]``."""
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids.unsqueeze(0), use_cache=True, **{self._cache_kw: cache},
+                         logits_to_keep=0 if all_logits else 1, output_hidden_states=bool(hidden_layers))
+        if self.cache is None:
+            self.cache = cache
+        else:  # pad the narrower side with holes, then stack the new row under the others
+            width = max(self.cache.layers[0].keys.shape[2], int(ids.shape[0]))
+            for mine, new in zip(self.cache.layers, cache.layers):
+                mine.keys = torch.cat([_pad(mine.keys, width), _pad(new.keys, width)])
+                mine.values = torch.cat([_pad(mine.values, width), _pad(new.values, width)])
+        self.lengths.append(int(ids.shape[0]))
         hidden = {i: out.hidden_states[i][0] for i in hidden_layers} if hidden_layers else None
         return VerifyOutput(out.logits[0], hidden)
 
+    def prefill(self, ids: torch.Tensor, all_logits: bool = False, hidden_layers: tuple[int, ...] = ()) -> VerifyOutput:
+        """Drop every row and cache ``ids`` as the only one."""
+        self.reset()
+        return self.add(ids, all_logits, hidden_layers)
+
+    def remove(self, row: int) -> None:
+        """Drop a row (a finished or aborted request); later rows move up by one."""
+        del self.lengths[row]
+        if not self.lengths:
+            self.cache = None
+            return
+        keep = torch.tensor([i for i in range(len(self.lengths) + 1) if i != row])
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, keep)[:, :, : self.width]
+            layer.values = layer.values.index_select(0, keep)[:, :, : self.width]
+
+    # -- one verification step for every row -----------------------------------------------------------
     @torch.inference_mode()
+    def verify_batch(self, trees: list[Tree], hidden_layers: tuple[int, ...] = ()) -> list[VerifyOutput]:
+        """One forward over ``B x W`` slots, ``W`` = the largest tree; smaller trees are padded with dummy
+        nodes that see only themselves (never read). Row ``i``'s outputs are ``[W_i, ...]``."""
+        if len(trees) != self.rows:
+            raise ValueError(f"{len(trees)} trees for {self.rows} cache rows")
+        b, length = self.rows, self.cache.layers[0].keys.shape[2]
+        w = max(t.size for t in trees)
+        lengths = torch.tensor(self.lengths)
+        ids = torch.zeros(b, w, dtype=torch.long)
+        pos = lengths.unsqueeze(1).repeat(1, w)
+        vis = torch.zeros(b, w, length + w, dtype=torch.bool)
+        vis[:, :, :length] = (torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)).unsqueeze(1)
+        vis[:, :, length:] = torch.eye(w, dtype=torch.bool)
+        for i, t in enumerate(trees):
+            n = t.size
+            ids[i, :n] = t.tokens
+            pos[i, :n] += t.depth
+            vis[i, :n, length: length + n] = t.ancestors
+            vis[i, n:, :length] = False
+        mask = torch.zeros(b, 1, w, length + w, dtype=self.dtype).masked_fill_(~vis.unsqueeze(1), self.neg)
+        out = self._forward(ids, pos, mask, hidden_layers)
+        self._col0 = length
+        return [VerifyOutput(out.logits[i, : t.size],
+                             {h: out.hidden_states[h][i, : t.size] for h in hidden_layers} if hidden_layers else None)
+                for i, t in enumerate(trees)]
+
+    @torch.inference_mode()
+    def commit_batch(self, accepted: list[list[int]]) -> None:
+        """Per row, keep the root and the accepted path (node indices, root first); drop the other slots."""
+        rows, dst, src = [], [], []
+        for i, acc in enumerate(accepted):
+            for j, node in enumerate(acc):
+                if self.lengths[i] + j != self._col0 + node:  # a chain prefix of the longest row is in place
+                    rows.append(i)
+                    dst.append(self.lengths[i] + j)
+                    src.append(self._col0 + node)
+            self.lengths[i] += len(acc)
+        width = self.width
+        r, d, s = torch.tensor(rows, dtype=torch.long), torch.tensor(dst), torch.tensor(src)
+        for layer in self.cache.layers:
+            if rows:
+                layer.keys[r, :, d] = layer.keys[r, :, s]
+                layer.values[r, :, d] = layer.values[r, :, s]
+            layer.keys = layer.keys[:, :, :width]
+            layer.values = layer.values[:, :, :width]
+
+    # -- the single-sequence API (one row) ---------------------------------------------------------------
     def verify(self, tree: Tree, hidden_layers: tuple[int, ...] = ()) -> VerifyOutput:
         """One forward over all ``W`` tree nodes; logits at every node (and chosen hidden states)."""
-        p = self.prefix_len
-        out = self.model(
-            input_ids=tree.tokens.unsqueeze(0),
-            position_ids=tree.position_ids(p),
-            attention_mask=tree.attention_mask(p, self.dtype),
-            use_cache=True,
-            **{self._cache_kw: self.cache},
-            output_hidden_states=bool(hidden_layers),
-        )
-        hidden = None
-        if hidden_layers:
-            hidden = {i: out.hidden_states[i][0] for i in hidden_layers}
-        return VerifyOutput(out.logits[0], hidden)
+        return self.verify_batch([tree], hidden_layers)[0]
+
+    def commit(self, accepted: list[int]) -> None:
+        self.commit_batch([accepted])
 
     @torch.inference_mode()
     def extend(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -98,28 +189,17 @@ class TargetBackend:
         """
         p, n = self.prefix_len, tokens.shape[0]
         mask = torch.zeros(1, 1, n, self.cache.get_seq_length() + n, dtype=self.dtype)
-        mask[0, 0, :, p:].masked_fill_(~visible, torch.finfo(self.dtype).min)
-        out = self.model(input_ids=tokens.unsqueeze(0), position_ids=positions.unsqueeze(0), attention_mask=mask,
-                         use_cache=True, **{self._cache_kw: self.cache})
-        return out.logits[0]
+        mask[0, 0, :, p:].masked_fill_(~visible, self.neg)
+        return self._forward(tokens.unsqueeze(0), positions.unsqueeze(0), mask, ()).logits[0]
 
     def truncate(self, length: int) -> None:
         """Drop cached positions from ``length`` on (a drafter rolling back its own speculation)."""
         for layer in self.cache.layers:
             layer.keys = layer.keys[:, :, :length]
             layer.values = layer.values[:, :, :length]
-        self.prefix_len = min(self.prefix_len, length)
+        self.lengths[0] = min(self.prefix_len, length)
 
-    @torch.inference_mode()
-    def commit(self, accepted: list[int]) -> None:
-        """Keep the root and the accepted path (node indices, root first); drop the other tree slots."""
-        p, m = self.prefix_len, len(accepted)
-        contiguous = accepted == list(range(m))  # a chain prefix: the rows are already in place
-        idx = None if contiguous else torch.tensor(accepted, dtype=torch.long) + p
-        for layer in self.cache.layers:
-            if idx is not None:
-                layer.keys[:, :, p : p + m] = layer.keys.index_select(2, idx)
-                layer.values[:, :, p : p + m] = layer.values.index_select(2, idx)
-            layer.keys = layer.keys[:, :, : p + m]
-            layer.values = layer.values[:, :, : p + m]
-        self.prefix_len = p + m
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``[b, h, t, d]`` -> ``[b, h, width, d]`` with zero columns (holes) on the right."""
+    return x if x.shape[2] == width else torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[2]))

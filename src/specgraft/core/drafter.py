@@ -1,9 +1,10 @@
-"""The drafter protocol: every method, AR included, is a drafter that the one decode loop drives.
+"""The drafter protocol: every method, AR included, is a drafter that the one engine loop drives.
 
-Per request the loop calls ``start`` once (after prefill), then per step ``propose`` (a tree within the
-node budget) and ``observe`` (the target's logits at every node of that tree, and the verdict). Retrieval
-state (Token Recycling's matrix, later Graft's) lives behind ``observe``; the loop never knows which
-drafter it runs.
+The engine keeps one prototype per method and options and gives every request its own :meth:`Drafter.fork`
+(sharing weights, and retrieval state only where the method's scope says so). Per request it calls
+``start`` once (after prefill), then per step ``propose`` (a tree within the node budget) and ``observe``
+(the target's logits at every node of that tree, and the verdict). Retrieval state (Token Recycling's and
+Graft's matrix) lives behind ``observe``; the loop never knows which drafter it runs.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ class Drafter(Protocol):
 
     # Target hidden-state layers the drafter reads at prefill and at every verified node (EAGLE heads).
     hidden_layers: tuple[int, ...]
+    # Seconds spent in the drafter's own model forwards (EAGLE head, draft model): the engine separates them
+    # from host-side work when it measures a step.
+    forward_s: float
+
+    def fork(self) -> "Drafter":
+        """A fresh drafter for one request: same weights and settings, its own per-request state."""
+        ...
 
     def start(self, prompt_ids: list[int], prefill_logits: torch.Tensor | None,
               prefill_hidden: dict[int, torch.Tensor] | None = None) -> None: ...
@@ -52,6 +60,10 @@ class NoDraft:
     name = "ar"
     needs_prefill_logits = False
     hidden_layers = ()
+    forward_s = 0.0
+
+    def fork(self) -> "NoDraft":
+        return self
 
     def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
         pass

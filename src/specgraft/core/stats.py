@@ -2,13 +2,21 @@
 
 Convention: a *step* is one target verification forward (prefill is not a step). ``committed[s]`` is the
 number of tokens step ``s`` committed, i.e. accepted candidates + the bonus token, cut by EOS or
-``max_new_tokens``. **MAT = mean(committed)** includes the bonus token, so AR decoding has MAT = 1.
+``max_new_tokens``. **MAT = mean(committed)** includes the bonus token, so AR decoding has MAT = 1; with
+no step at all (a one-token request) it is undefined: NaN, written as null in records (docs/design.md §7).
 ``new_tokens`` also counts the first token, which comes from the prefill.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
+
+
+def mean_accepted_tokens(committed: int | float, steps: int) -> float:
+    """MAT: committed tokens per verification step (the bonus included); NaN when there was no step. Every
+    MAT in the project (stats, reports, lossy tables) is this function."""
+    return committed / steps if steps else math.nan
 
 
 @dataclass
@@ -22,14 +30,15 @@ class Stats:
     depth_accepts: list[int] = field(default_factory=list)  # [d-1]: steps whose path reached depth d
     prefill_s: float = 0.0
     draft_s: float = 0.0  # propose + observe
-    verify_s: float = 0.0  # the target forward over the tree
+    draft_forward_s: float = 0.0  # of which the drafter's own model forwards (EAGLE head, draft model)
+    verify_s: float = 0.0  # the target forward over the tree(s)
     total_s: float = 0.0  # wall time of the whole request, prefill included
     retrieval_state: str | None = None  # cold / hot, for retrieval drafters
     verify: str = "lossless"  # or "lossy:RULE:PARAM" (opt-in; the output distribution is not the target's)
 
     @property
     def mat(self) -> float:
-        return sum(self.committed) / len(self.committed) if self.committed else 0.0
+        return mean_accepted_tokens(sum(self.committed), len(self.committed))
 
     @property
     def other_s(self) -> float:
@@ -62,7 +71,8 @@ class Stats:
     def merge(self, other: "Stats") -> "Stats":
         """Sum of two runs of the same method (for per-dataset totals)."""
         out = Stats(self.method, verify=self.verify)
-        for name in ("steps", "new_tokens", "tree_nodes", "prefill_s", "draft_s", "verify_s", "total_s"):
+        for name in ("steps", "new_tokens", "tree_nodes", "prefill_s", "draft_s", "draft_forward_s", "verify_s",
+                     "total_s"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.committed = self.committed + other.committed
         n = max(len(self.depth_trials), len(other.depth_trials))
@@ -74,7 +84,7 @@ class Stats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(mat=round(self.mat, 4), tokens_per_s=round(self.tokens_per_s, 3), other_s=self.other_s,
+        d.update(mat=None if math.isnan(self.mat) else round(self.mat, 4), tokens_per_s=round(self.tokens_per_s, 3), other_s=self.other_s,
                  acceptance_per_depth=[round(a, 4) for a in self.acceptance_per_depth],
                  mean_tree_nodes=self.tree_nodes / self.steps if self.steps else 0.0)
         return d

@@ -29,7 +29,7 @@ The target sees the committed prefix (``P`` columns, all visible) followed by th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
@@ -45,34 +45,32 @@ class Tree:
 
     tokens: torch.Tensor  # int64[W]
     parents: torch.Tensor  # int64[W], parents[0] == -1, parents[i] < i
-    source: torch.Tensor = field(default=None)  # int8[W]
+    source: torch.Tensor  # int8[W]
     # Chains sampled from a draft distribution carry it: row i (i >= 1) is the q that token i was drawn from,
     # after the same processing as the target. Deterministic candidates (top-k, retrieval) leave it None.
     draft_probs: torch.Tensor | None = None  # float[W, V]
 
     def __post_init__(self) -> None:
         validate(self.parent_list)
-        if self.source is None:
-            src = torch.full_like(self.tokens, SOURCE_DRAFT, dtype=torch.int8)
-            src[0] = SOURCE_ROOT
-            object.__setattr__(self, "source", src)
+        if self.draft_probs is not None and self.draft_probs.shape[0] != self.size:
+            raise ValueError(f"draft_probs needs {self.size} rows (root row unused), got {self.draft_probs.shape[0]}")
 
     @staticmethod
-    def build(tokens: list[int], parents: list[int], source: list[int] | None = None) -> "Tree":
-        src = None if source is None else torch.tensor(source, dtype=torch.int8)
-        return Tree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), src)
-
-    @staticmethod
-    def chain(root: int, tokens: list[int], source: int = SOURCE_DRAFT,
+    def build(tokens: list[int], parents: list[int], source: list[int] | None = None,
               draft_probs: torch.Tensor | None = None) -> "Tree":
-        """A single path ``root -> tokens[0] -> tokens[1] ...`` (PLD, draft chains)."""
+        """``source`` defaults to root + drafted nodes."""
+        source = [SOURCE_ROOT] + [SOURCE_DRAFT] * (len(tokens) - 1) if source is None else source
+        return Tree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
+                    torch.tensor(source, dtype=torch.int8), draft_probs)
+
+    @staticmethod
+    def chain(root: int, tokens: list[int], source: int | list[int] = SOURCE_DRAFT,
+              draft_probs: torch.Tensor | None = None) -> "Tree":
+        """A single path ``root -> tokens[0] -> tokens[1] ...`` (PLD, draft chains); ``source`` per node or
+        one for all."""
         n = len(tokens)
-        tree = Tree.build([root, *tokens], list(range(-1, n)), [SOURCE_ROOT] + [source] * n)
-        if draft_probs is not None:
-            if draft_probs.shape[0] != n + 1:
-                raise ValueError(f"draft_probs needs {n + 1} rows (root row unused), got {draft_probs.shape[0]}")
-            object.__setattr__(tree, "draft_probs", draft_probs)
-        return tree
+        src = [source] * n if isinstance(source, int) else list(source)
+        return Tree.build([root, *tokens], list(range(-1, n)), [SOURCE_ROOT, *src], draft_probs)
 
     @property
     def size(self) -> int:
@@ -153,10 +151,7 @@ def leaf_paths(parents: list[int]) -> list[list[int]]:
     width = max(d) + 1
     out = []
     for leaf in (i for i in range(len(parents)) if not kids[i]):
-        path = [leaf]
-        while parents[path[-1]] != -1:
-            path.append(parents[path[-1]])
-        path.reverse()
+        path = path_to(parents, leaf)
         out.append(path + [-1] * (width - len(path)))
     return out
 

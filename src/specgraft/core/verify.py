@@ -19,13 +19,15 @@ production form draws one sample per node and walks (sample-then-match), which i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from ..errors import SpecgraftError
-from ..lossy.rules import Rule
 from .sampling import SamplingParams, target_probs
 from .tree import Tree
+
+
+Gate = Callable[[int, torch.Tensor], float]  # (token, current residual r) -> acceptance probability
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ def sample_tree_retry(tree: Tree, probs: torch.Tensor, gen: torch.Generator) -> 
     renormalise (the residual of a one-hot proposal). Duplicate siblings are skipped. If no child is
     accepted, the bonus is drawn from the residual ``r``.
     """
-    return lossy_tree(tree, probs, Rule(), gen)  # the lossless gate r[x] in the one sibling-retry walk
+    return retry_walk(tree, probs, lossless_gate, gen)
 
 
 def sample_chain(
@@ -104,31 +106,20 @@ def sample_chain(
     return n_acc, int(torch.multinomial(residual, 1, generator=gen))
 
 
-def lossy_chain(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor, rule: Rule,
-                gen: torch.Generator) -> tuple[int, int]:
-    """A LOSSY rule on a chain: accept ``x_i`` with ``rule.accept_prob(p_i, q_i)[x_i]``; at the first
-    rejection emit from ``rule.fallback(p_i, q_i)``; if all are accepted the bonus comes from ``p_g``.
-    Shapes as in :func:`sample_chain`. Returns ``(n_accepted, next_token)``."""
-    g = draft.shape[0]
-    for i in range(g):
-        pi, qi, x = p[i].double(), q[i].double(), int(draft[i])
-        a = float(rule.accept_prob(pi, qi)[x])
-        if float(torch.rand((), generator=gen, dtype=torch.float64)) >= a:
-            return i, int(torch.multinomial(rule.fallback(pi, qi), 1, generator=gen))
-    return g, int(torch.multinomial(p[g].double(), 1, generator=gen))
-
-
-def lossy_tree(tree: Tree, probs: torch.Tensor, rule: Rule, gen: torch.Generator) -> Verdict:
-    """A LOSSY rule on deterministic candidates (q = 1 convention): the sibling-retry walk of
-    :func:`sample_tree_retry` with ``rule.tree_gate(p)`` in place of ``r[x]``. Sibling order matters here
-    (drafted siblings by score, then retrieved ones by rank: the order the drafters emit)."""
+def retry_walk(tree: Tree, probs: torch.Tensor, gate_of: Callable[[torch.Tensor], Gate],
+               gen: torch.Generator) -> Verdict:
+    """The sibling-retry walk over deterministic candidates (q = 1 convention): at each node, try the
+    children in sibling order, enter child ``x`` with probability ``gate(x, r)``, on rejection set
+    ``r[x] = 0`` and renormalise; the bonus is drawn from the final ``r``. Duplicate siblings are skipped.
+    ``gate_of(p)`` builds the gate from the node's target distribution: ``r[x]`` is the lossless one; the
+    LOSSY rules of the lossy package pass their own (docs/design.md §3)."""
     tokens = tree.tokens.tolist()
     node, accepted = 0, [0]
     while True:
         p = probs[node].double()
         if not tree.children[node]:  # a leaf (or a lone root): the bonus comes from the target, no gate needed
             return Verdict(accepted, int(torch.multinomial(p, 1, generator=gen)))
-        gate = rule.tree_gate(p)
+        gate = gate_of(p)
         r = p.clone()
         tried: set[int] = set()
         moved = False
@@ -151,20 +142,15 @@ def lossy_tree(tree: Tree, probs: torch.Tensor, rule: Rule, gen: torch.Generator
             return Verdict(accepted, int(torch.multinomial(r, 1, generator=gen)))
 
 
-def verify_tree(
-    tree: Tree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, rule: Rule | None = None
-) -> Verdict:
+def lossless_gate(p: torch.Tensor) -> Gate:
+    """Accept sibling ``x`` with the current residual ``r[x]`` (exact for one-hot proposals)."""
+    return lambda x, r: float(r[x])
+
+
+def verify_tree(tree: Tree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> Verdict:
     """The lossless rule for the tree under the given sampling settings: greedy matching; chain speculative
     sampling (``p/q``) for chains that carry the draft distribution they were sampled from; otherwise the
-    q = 1 rule for deterministic candidates. A LOSSY ``rule`` (opt-in, sampling only) replaces the last two."""
-    if rule is not None and rule.lossy:
-        if params.greedy:
-            raise SpecgraftError("lossy verification rules need sampling (temperature > 0)")
-        probs = target_probs(logits, params)
-        if tree.draft_probs is not None and tree.size > 1:
-            n_acc, nxt = lossy_chain(tree.tokens[1:], probs, tree.draft_probs[1:], rule, gen)
-            return Verdict(list(range(n_acc + 1)), nxt)
-        return lossy_tree(tree, probs, rule, gen)
+    q = 1 rule for deterministic candidates (sample-then-match)."""
     if params.greedy:
         return greedy_tree(tree, logits)
     probs = target_probs(logits, params)

@@ -14,12 +14,15 @@ rolls the cache back to what the target accepted, so nothing is recomputed that 
 
 from __future__ import annotations
 
+import copy
+import time
+
 import torch
 
 from ..core.backend import TargetBackend
 from .dynamic_tree import Candidates, Gate, candidates_tree, expand_topk
 from ..core.sampling import make_generator, target_probs
-from ..core.tree import SOURCE_DRAFT, Tree
+from ..core.tree import SOURCE_DRAFT, Tree, path_to
 from ..core.drafter import DraftContext
 
 
@@ -36,22 +39,33 @@ class DraftModelDrafter:
             raise ValueError("draft tree needs integer top_k >= 1 and depth >= 0")
         self.backend = TargetBackend(model)
         self.label, self.shape, self.top_k, self.depth = label, shape, top_k, depth
-        self.last_confidences: list[float] = []
         self.cached = 0  # positions of ctx.ids that the draft cache holds
         self.base = 0  # len(ctx.ids) at the last proposal
         self.drafted = 0
         self.gen: torch.Generator | None = None
         self.forwards = 0
+        self.forward_s = 0.0
+
+    def fork(self) -> "DraftModelDrafter":
+        c = copy.copy(self)  # shares the draft model; its cache and generator are per request
+        c.backend = TargetBackend(self.backend.model)
+        c.cached = c.base = c.drafted = c.forwards = 0
+        c.gen, c.forward_s = None, 0.0
+        return c
 
     def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
+        t0 = time.perf_counter()
         self.backend.prefill(torch.tensor(prompt_ids, dtype=torch.long))
+        self.forward_s += time.perf_counter() - t0
         self.cached = len(prompt_ids)
         self.gen = None
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
+        t0 = time.perf_counter()
         out = self.backend.verify(Tree.chain(tokens[0], tokens[1:]))
         self.backend.commit(list(range(len(tokens))))
         self.forwards += 1
+        self.forward_s += time.perf_counter() - t0
         return out.logits[-1]
 
     def propose(self, ctx: DraftContext) -> Tree:
@@ -122,19 +136,19 @@ class DraftModelDrafter:
             visible = torch.zeros(len(frontier), width, dtype=torch.bool)
             depth = []
             for j, f in enumerate(frontier):
+                path = path_to(pars, f)  # f's speculative ancestors, then f itself
                 visible[j, slots[j]] = True
-                d, a = 1, pars[f]
-                while a != -1:
-                    visible[j, fed[a]] = True
-                    d, a = d + 1, pars[a]
-                depth.append(d)
+                visible[j, [fed[a] for a in path[:-1]]] = True
+                depth.append(len(path))
             for j, f in enumerate(frontier):
                 fed[f] = slots[j]
             # The root (the last committed token) sits at position prefix_len - 1, so a node at depth d (root's
             # children: d = 1) sits at prefix_len + d - 1, as in the chain path.
+            t0 = time.perf_counter()
             logits = self.backend.extend(torch.tensor([toks[f] for f in frontier]),
                                          torch.tensor(depth) + self.backend.prefix_len - 1, visible)
             self.forwards += 1
+            self.forward_s += time.perf_counter() - t0
             logp = torch.log_softmax(logits.float(), -1)
             top = torch.topk(logp, self.top_k, dim=-1).indices
             for j, f in enumerate(frontier):  # mirror the candidates expand_topk appends next
@@ -146,7 +160,6 @@ class DraftModelDrafter:
         state["tokens"] = torch.topk(first, self.top_k).indices.tolist()
         state["parents"] = [-1] * self.top_k
         cands = expand_topk(first, expand, self.top_k, self.depth, gate)
-        self.last_confidences = cands.level_best
         self.backend.truncate(self.base)
         return cands
 

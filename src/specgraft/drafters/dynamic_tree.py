@@ -16,7 +16,7 @@ The model is abstracted as ``expand(frontier) -> logp``: given candidate indices
 their next-token log-probabilities ``[len(frontier), V]``. The head drafter and the draft-model drafter
 each implement it with their own forward pass.
 
-A *gate* (a pruning policy, :mod:`specgraft.pruning`) may stop the expansion after any level: it sees the
+A *gate* (a pruning policy, :mod:`specgraft.graft.pruning`) may stop the expansion after any level: it sees the
 level, the frontier's cumulative log-probs and the log-prob row that produced the best frontier node; on
 ``True`` no further draft forward runs and ``Candidates.stopped_at`` records the level.
 """
@@ -24,10 +24,11 @@ level, the frontier's cumulative log-probs and the log-prob row that produced th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal, Protocol
 
 import torch
 
+from ..core.drafter import DraftContext, Drafter
 from ..core.tree import SOURCE_DRAFT, Tree
 
 
@@ -42,6 +43,29 @@ class Candidates:
 
 
 Gate = Callable[[int, torch.Tensor, torch.Tensor], bool]  # (level, frontier scores [f], best's logp row [V])
+
+
+class TreeDrafter(Drafter, Protocol):
+    """An inner drafter Graft and the pruning baselines build on: it drafts a dynamic tree level by level,
+    and a gate may stop it after any level (EAGLE-3 head, draft-model tree)."""
+
+    shape: Literal["tree"]
+
+    def draft(self, ctx: DraftContext, gate: Gate | None = None) -> Candidates | None: ...
+
+
+class ChainDrafter(Drafter, Protocol):
+    """An inner drafter that drafts one chain (draft-model chain; Graft-TAIL builds on it)."""
+
+    shape: Literal["chain"]
+
+    def chain(self, ctx: DraftContext, gamma: int, tau: float | None = None
+              ) -> tuple[list[int], torch.Tensor | None, list[float]]:
+        """Up to ``gamma`` tokens, their ``q`` rows (sampling) and stop statistics; ``tau`` stops early."""
+        ...
+
+
+InnerDrafter = TreeDrafter | ChainDrafter
 
 
 def expand_topk(first_logp: torch.Tensor, expand: Callable[[list[int]], torch.Tensor], top_k: int,

@@ -31,16 +31,20 @@ def pld_candidates(ids: np.ndarray, max_ngram: int = 3, num_pred: int = 10) -> l
 
 
 class PromptLookup:
+    """The number of predicted tokens is the loop's node budget (default 10)."""
+
     name = "pld"
     needs_prefill_logits = False
     hidden_layers = ()
-
-    """The number of predicted tokens is the loop's node budget (default 10)."""
+    forward_s = 0.0
 
     def __init__(self, max_ngram: int = 3):
         if not isinstance(max_ngram, int) or max_ngram < 1:
             raise ValueError(f"pld needs an integer max_ngram >= 1, got {max_ngram!r}")
         self.max_ngram = max_ngram
+
+    def fork(self) -> "PromptLookup":
+        return self  # stateless: the context is all it reads
 
     def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
         pass

@@ -25,6 +25,8 @@ REQUIRED = ("fc.weight", "midlayer.self_attn.q_proj.weight", "norm.weight", "lm_
 
 
 def default_layers(num_layers: int) -> tuple[int, int, int]:
+    """``hidden_states`` indices of the low / middle / high features (entry ``i`` is the input to layer ``i``):
+    what heads read by default, and what ``train-head`` caches."""
     return (2, num_layers // 2, num_layers - 3)
 
 

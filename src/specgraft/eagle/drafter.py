@@ -1,6 +1,6 @@
 """EAGLE-3 dynamic-tree drafter: the head drafts a tree by beam expansion + global rerank (EAGLE-2/3).
 
-Each step, in the head's own KV cache (positions = pair positions, see :mod:`specgraft.head`)::
+Each step, in the head's own KV cache (positions = pair positions, see :mod:`specgraft.eagle.head`)::
 
     committed:  pairs (f_t, x_{t+1}) for t < N-1        (target features of accepted tokens, fused by fc)
     extend:     the new pairs since the last step       -> h_last; level 0 = topk(lm_head(norm(h_last)))
@@ -15,18 +15,21 @@ verified with the q = 1 rule at any temperature.
 
 from __future__ import annotations
 
+import copy
+import time
 from dataclasses import replace
 
 import torch
 
 from ..drafters.dynamic_tree import Candidates, Gate, candidates_tree, expand_topk
 from .head import Eagle3Head
-from ..core.tree import Tree
+from ..core.tree import Tree, path_to
 from ..core.drafter import DraftContext
 
 
 class EagleDrafter:
     name = "eagle"
+    shape = "tree"
     needs_prefill_logits = False
 
     def __init__(self, head: Eagle3Head, label: str = "custom", top_k: int = 10, depth: int = 7):
@@ -41,7 +44,20 @@ class EagleDrafter:
         self.vbuf: torch.Tensor | None = None
         self.n = 0  # committed pairs
         self.pending: torch.Tensor | None = None  # [m, 3H] target features not yet fed
-        self.last_confidences: list[float] = []
+        self.forward_s = 0.0
+
+    def fork(self) -> "EagleDrafter":
+        c = copy.copy(self)  # shares the head; the KV buffers and features are per request
+        c.kbuf = c.vbuf = c.pending = None
+        c.n, c.forward_s = 0, 0.0
+        return c
+
+    def _timed(self, fn, *args):
+        """Run a head forward (fc, decoder layer, lm_head), timing it as the drafter's model time."""
+        t0 = time.perf_counter()
+        out = fn(*args)
+        self.forward_s += time.perf_counter() - t0
+        return out
 
     def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
         self.n = 0
@@ -74,7 +90,7 @@ class EagleDrafter:
         if new_tokens.numel() != self.pending.shape[0]:
             raise AssertionError(f"eagle: {self.pending.shape[0]} features for {new_tokens.numel()} new tokens")
         pos = torch.arange(n, n + new_tokens.numel())
-        h, (k, v) = head.step(head.fc(self.pending).unsqueeze(0), new_tokens.unsqueeze(0), pos.unsqueeze(0),
+        h, (k, v) = self._timed(head.step, self._timed(head.fc, self.pending).unsqueeze(0), new_tokens.unsqueeze(0), pos.unsqueeze(0),
                               self._past(n), None)
         self._write(n, k, v)
         self.n = n + new_tokens.numel()
@@ -101,27 +117,24 @@ class EagleDrafter:
             for j, c in enumerate(frontier):
                 par = cand_parents[c]
                 feats.append(h_last if par == -1 else outs[par])
-                d, a = 1, par
+                path = path_to(cand_parents, c)  # c's speculative ancestors, then c itself
                 hidden[j, A + j] = False
-                while a != -1:
-                    hidden[j, slot[a]] = False
-                    d, a = d + 1, cand_parents[a]
-                depth.append(d)
+                hidden[j, [slot[a] for a in path[:-1]]] = False
+                depth.append(len(path))
             bias[0, 0, :, base:].masked_fill_(hidden, float("-inf"))
             toks = torch.tensor([cand_tokens[c] for c in frontier])
-            out, (k2, v2) = head.step(torch.stack(feats).unsqueeze(0), toks.unsqueeze(0),
+            out, (k2, v2) = self._timed(head.step, torch.stack(feats).unsqueeze(0), toks.unsqueeze(0),
                                       (torch.tensor(depth) + base - 1).unsqueeze(0), self._past(base + A), bias)
             self._write(base + A, k2, v2)
             for j, c in enumerate(frontier):
                 slot[c], outs[c] = A + j, out[0, j]
-            logp = torch.log_softmax(head.logits(out[0]).float(), -1)
+            logp = torch.log_softmax(self._timed(head.logits, out[0]).float(), -1)
             children(logp, frontier)
             return logp
 
-        first = torch.log_softmax(head.logits(h_last).float(), -1)
+        first = torch.log_softmax(self._timed(head.logits, h_last).float(), -1)
         children(first.unsqueeze(0), [-1])
         cands = expand_topk(first, expand, self.top_k, self.depth, gate)
-        self.last_confidences = cands.level_best
         # expand_topk saw draft-vocabulary ids; the tree holds target ids.
         return replace(cands, tokens=cand_tokens[: len(cands.tokens)])
 

@@ -1,7 +1,7 @@
 """The EAGLE-3 draft head: one Llama-style decoder layer over fused target features.
 
 Parameter names follow the official checkpoints (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``,
-``t2d``), so a state dict loads as is (see :mod:`specgraft.head_io`)::
+``t2d``), so a state dict loads as is (see :mod:`specgraft.eagle.checkpoint`)::
 
     target features  f_t = [h_low | h_mid | h_high]_t      [T, 3H]   (fc only on these)
     token embedding  e_{t+1} = embed(x_{t+1})              [T, H]    (the target's, frozen)

@@ -15,16 +15,18 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import platform
-import subprocess
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .datasets import Item, load_dataset
-from ..registry import DEFAULTS, METHODS
-from ..errors import SpecgraftError
 from ..core.sampling import SamplingParams
+from ..engine import Engine
+from ..env import environment
+from ..errors import SpecgraftError
+from ..lossy.rules import parse_rule
+from ..registry import DEFAULTS, LOOP_KEYS, METHODS, SAMPLING_KEYS, check_lossy
+from .datasets import Item, load_dataset
+from .quality import score
 
 SCHEMA_VERSION = 1
 
@@ -49,7 +51,6 @@ class MethodSpec:
 # Keys a method entry may carry besides its drafter options: the verification rule and truncation sampling
 # (the correct baselines of the lossy truncation rules), and ``label`` (two entries of one configuration under
 # different labels measure the run's noise).
-LOOP_KEYS = ("verify", "min_p", "eta", "label")
 
 # The warm-up prompt: outside every dataset, so warming up never runs (or retrieves from) an evaluation prompt.
 WARMUP_PROMPT = "List four uses of a paperclip, one per line, then say which is the most surprising and why."
@@ -107,7 +108,7 @@ def expand_methods(entries: list[dict], add_ar: bool = True) -> list[MethodSpec]
             custom = opts.pop("label", None)
             label = custom or name + (":" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else "")
             verify = opts.pop("verify", "lossless")
-            samp = {k: opts.pop(k) for k in ("min_p", "eta") if k in opts}
+            samp = {k: opts.pop(k) for k in SAMPLING_KEYS if k in opts}
             specs.append(MethodSpec(label, name, opts, verify, samp))
     if add_ar and not any(s.method == "ar" for s in specs):
         specs.insert(0, MethodSpec("ar", "ar", {}))
@@ -133,35 +134,6 @@ def parse_method(spec: str) -> dict:
                 pass
         entry[key.strip()] = val
     return entry
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def environment() -> dict:
-    import torch
-    import transformers
-
-    from . import __version__
-
-    cpu = cpu_name()
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                                cwd=Path(__file__).resolve().parent).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                    text=True, timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = None, None
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "specgraft": __version__, "commit": commit, "dirty": dirty}
 
 
 def record_key(rec: dict) -> tuple:
@@ -259,10 +231,6 @@ def make_record(cfg: BenchConfig, env: dict, dataset: str, item: Item, spec: Met
 
 def run_harness(cfg: BenchConfig, out_path: str, progress=None, log=print, engine=None) -> dict:
     """Run (or resume) a benchmark into ``out_path``; returns counts of what ran and what was skipped."""
-    from ..engine import Engine, check_lossy
-    from ..lossy.rules import parse_rule
-    from .quality import score
-
     specs = expand_methods(cfg.methods, cfg.ar)
     for seed in cfg.seeds:
         for spec in specs:  # validate before loading anything

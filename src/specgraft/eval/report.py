@@ -11,6 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..core.stats import mean_accepted_tokens
 from . import report_stats as rs
 from .harness import complete_conversations, read_records
 
@@ -56,14 +57,14 @@ class Agg:
 
     @property
     def mat(self) -> float:
-        return self.committed / self.steps if self.steps else 1.0
+        return mean_accepted_tokens(self.committed, self.steps)
 
     @property
     def alpha(self) -> list[float]:
         return [a / t if t else 0.0 for a, t in zip(self.accepts, self.trials)]
 
 
-def speedup(base: Agg, other: Agg, greedy: bool = True) -> float:
+def speedup(base: Agg, other: Agg) -> float:
     """Per-token time ratio. With identical outputs (greedy, fp32) it equals ``T_AR / T_method``; when
     outputs differ (sampling, or bf16 near-ties under greedy) it stays fair where the wall ratio would not."""
     if not other.wall or not base.wall or not other.tokens or not base.tokens:
@@ -134,7 +135,7 @@ def aggregate(records: list[dict], labels: list[str], group) -> dict:
     return out
 
 
-def _table(groups: dict, labels: list[str], greedy: bool) -> list[str]:
+def _table(groups: dict, labels: list[str]) -> list[str]:
     lines = ["| group | method | turns | tokens | tok/s | speedup vs AR | MAT | alpha by depth (1..6) | mean nodes "
              "| prefill / draft / verify / other (s) | quality |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for g, aggs in groups.items():
@@ -143,7 +144,7 @@ def _table(groups: dict, labels: list[str], greedy: bool) -> list[str]:
             a = aggs.get(label)
             if a is None or a.n == 0:
                 continue
-            sp = speedup(base, a, greedy) if base else float("nan")
+            sp = speedup(base, a) if base else float("nan")
             alpha = ", ".join(f"{x:.2f}" for x in a.alpha[:6]) or "-"
             q = f"{sum(a.quality) / len(a.quality):.3f} (n={len(a.quality)})" if a.quality else "-"
             lines.append(f"| {g} | {label} | {a.n} | {a.tokens} | {a.tokens / a.wall:.2f} | {sp:.2f}x | {a.mat:.2f} | "
@@ -191,7 +192,6 @@ def markdown(rep: Report, command: str | None = None, reference: str | None = No
         return "no records\n"
     parsed = rs.check_labels(rep.labels, reference, [rs.parse_goal(g) for g in goals or []])
     pp = rs.per_prompt(recs)
-    greedy = all(r["greedy"] for r in recs)
     first = recs[0]
     lines = ["# specgraft benchmark report", ""]
     if command:
@@ -204,13 +204,13 @@ def markdown(rep: Report, command: str | None = None, reference: str | None = No
               f"- retrieval state: {sorted({r['label'] + '=' + r['retrieval_state'] for r in recs if r['retrieval_state']})}",
               "- MAT includes the bonus token (AR = 1). Speedup: AR time per token / method time per token, on the "
               "same prompts in the same run (equal to the wall-time ratio when outputs are identical).", ""]
-    lines += ["## Overall", ""] + _table(aggregate(recs, rep.labels, lambda r: "all"), rep.labels, greedy)
+    lines += ["## Overall", ""] + _table(aggregate(recs, rep.labels, lambda r: "all"), rep.labels)
     lines += rs.noise_lines(pp, rs.noise_pairs(recs, rep.labels))
     lines += rs.interval_table(pp, rep.labels, reference)
     lines += rs.goal_lines(pp, parsed)
-    lines += ["", "## Per dataset", ""] + _table(aggregate(recs, rep.labels, lambda r: r["dataset"]), rep.labels, greedy)
+    lines += ["", "## Per dataset", ""] + _table(aggregate(recs, rep.labels, lambda r: r["dataset"]), rep.labels)
     lines += ["", "## Per category", ""] + _table(
-        aggregate(recs, rep.labels, lambda r: f"{r['dataset']}/{r['category']}"), rep.labels, greedy)
+        aggregate(recs, rep.labels, lambda r: f"{r['dataset']}/{r['category']}"), rep.labels)
     lines += rs.prompt_table(pp, rep.labels)
     lines += _graft_table(recs, rep.labels)
     lines += rs.calibration_lines(recs, rep.labels)
@@ -238,12 +238,11 @@ def plots(rep: Report, out_dir: str | Path) -> list[Path]:
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    greedy = all(r["greedy"] for r in rep.records)
     overall = aggregate(rep.records, rep.labels, lambda r: "all")["all"]
     paths = []
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    pts = sorted((overall[label].mat, speedup(overall["ar"], overall[label], greedy), label) for label in rep.labels)
+    pts = sorted((overall[label].mat, speedup(overall["ar"], overall[label]), label) for label in rep.labels)
     for mat, sp, label in pts:
         ax.scatter(mat, sp, s=40)
         ax.annotate(label, (mat, sp), fontsize=8, xytext=(4, 4), textcoords="offset points")
@@ -274,7 +273,7 @@ def plots(rep: Report, out_dir: str | Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(max(6, len(names) * 0.9), 4.5))
     width = 0.8 / max(1, len(rep.labels) - 1)
     for j, label in enumerate(rep.labels[1:]):
-        vals = [speedup(cats[c]["ar"], cats[c][label], greedy) if "ar" in cats[c] else 0 for c in names]
+        vals = [speedup(cats[c]["ar"], cats[c][label]) if "ar" in cats[c] else 0 for c in names]
         ax.bar([i + j * width for i in range(len(names))], vals, width, label=label)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xticks([i + width * (len(rep.labels) - 2) / 2 for i in range(len(names))])

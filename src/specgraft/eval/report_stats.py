@@ -4,7 +4,7 @@ provenance (commits, calibration).
 
 The resampling unit is the prompt key (dataset, prompt_id, seed): all turns of a conversation move together.
 A comparison of two labels uses only the keys both have. The statistic is the per-token time ratio of
-:func:`specgraft.report.speedup`, a ratio of sums over the resampled prompts (not a mean of ratios); MAT is
+:func:`specgraft.eval.report.speedup`, a ratio of sums over the resampled prompts (not a mean of ratios); MAT is
 committed tokens over target forwards, also a ratio of sums.
 """
 
@@ -113,7 +113,7 @@ def speedup_ci(pp: dict, label: str, base: str, **kw) -> Estimate:
 
 
 def _steps(s: Sums) -> tuple[float, float]:
-    return (s.committed, s.steps) if s.steps else (s.tokens, s.tokens)  # AR: MAT 1
+    return s.committed, s.steps  # MAT = their ratio (core.stats.mean_accepted_tokens), pooled over prompts
 
 
 def mat_ci(pp: dict, label: str, keys: list | None = None, **kw) -> Estimate:

@@ -18,16 +18,19 @@ import time
 
 import torch
 
+from pathlib import Path
+
+from ..core.tree import Tree
+from ..env import cpu_name
 from ..errors import SpecgraftError
 from ..models import cache_root
-from ..core.tree import Tree
+from ..registry import DEFAULTS, calibration_dir
+from .calibration import Calibration
 
 WIDTHS = (1, 2, 4, 8, 12, 16, 20, 24, 32, 40, 48, 61, 64)
 
 
 def machine_key(model: str, dtype: str) -> str:
-    from ..eval.harness import cpu_name
-
     cpu = cpu_name()
     raw = f"{model}|{dtype}|{cpu}|threads={torch.get_num_threads()}|torch={torch.__version__}"
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in raw)[:200]
@@ -41,6 +44,8 @@ def latency_curve(engine, widths=WIDTHS, prefix: int = 256, reps: int = 3, refre
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(100, min(engine.vocab_size, 20000), (prefix + max(widths),), generator=gen)
     backend = engine.backend
+    if backend.rows:
+        raise SpecgraftError("the latency curve is measured on an idle engine (requests are in flight)")
     backend.prefill(ids[:prefix])
     out: dict[int, float] = {}
     for w in (widths[0], *widths):  # the first width twice: warm-up
@@ -52,6 +57,7 @@ def latency_curve(engine, widths=WIDTHS, prefix: int = 256, reps: int = 3, refre
             times.append(time.perf_counter() - t0)
             backend.truncate(prefix)
         out[w] = statistics.median(times)
+    backend.reset()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"key": machine_key(engine.model_name, engine.dtype), "prefix": prefix,
                                 "seconds": out}, indent=1))
@@ -89,9 +95,6 @@ def choose_budget(curve: dict[int, float], accepted_ranks: list[list[int]], draf
 
 def auto_budget(engine, method: str, options: dict) -> tuple[int, dict]:
     """Resolve ``--budget auto`` for eagle / graft / prune from the calibration of their drafter."""
-    from .calibration import Calibration
-    from ..registry import DEFAULTS, calibration_dir
-
     if method not in ("eagle", "graft", "prune"):
         raise SpecgraftError(f"--budget auto needs a tree method with a calibration (eagle, graft, prune), not "
                              f"'{method}'")
@@ -101,8 +104,6 @@ def auto_budget(engine, method: str, options: dict) -> tuple[int, dict]:
         raise SpecgraftError("--budget auto covers tree drafters; chains use tau_tail")
     where = opts.get("calibration", "auto")
     path = calibration_dir(opts, engine.model_name) if where in ("auto", None) else where
-    from pathlib import Path
-
     cal = Calibration.load(Path(path))
     curve = latency_curve(engine)
     max_budget = int(cal.meta.get("budget", 60))

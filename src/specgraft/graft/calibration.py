@@ -19,18 +19,16 @@ each, rows from every position): a cheap prior on CPU. The matrix after all of i
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..drafters.dynamic_tree import rerank
+from ..core.tree import SOURCE_DRAFT, Tree
+from ..drafters.dynamic_tree import InnerDrafter, rerank
+from ..drafters.matrix import AdjacencyMatrix
 from ..errors import SpecgraftError
 from .pruning import CHECKPOINTS, FALLBACK_THRESHOLDS
-from ..core.sampling import SamplingParams, make_generator
-from ..core.stats import Stats
-from ..core.tree import SOURCE_DRAFT, Tree
 
 MIN_OBS = 200
 CLAMP = (0.02, 0.9)
@@ -140,14 +138,15 @@ def fit_threshold(conf: list[float], outcome: list[int], rho: float = 0.5, fallb
                  "rule": f"first bin with monotone rate >= {rho}"}
 
 
-class _Recorder:
+class Recorder:
     """The unpruned drafter plus the matrix, recording what calibration and autotune need."""
 
-    def __init__(self, inner, matrix, chain: bool):
-        self.inner, self.matrix, self.chain = inner, matrix, chain
-        self.name = "calibrate"
-        self.needs_prefill_logits = True
-        self.hidden_layers = tuple(getattr(inner, "hidden_layers", ()))
+    name = "calibrate"
+    needs_prefill_logits = True
+
+    def __init__(self, inner: InnerDrafter, matrix: AdjacencyMatrix):
+        self.inner, self.matrix, self.chain = inner, matrix, inner.shape == "chain"
+        self.hidden_layers = tuple(inner.hidden_layers)
         self.conf: dict = {d: [] for d in CHECKPOINTS}
         self.outcome: dict = {d: [] for d in CHECKPOINTS}
         self.tail_conf: list[float] = []
@@ -156,6 +155,13 @@ class _Recorder:
         self.rank_hits = [0] * matrix.k
         self.rank_trials = 0
         self._step: dict = {}
+
+    @property
+    def forward_s(self) -> float:
+        return self.inner.forward_s
+
+    def fork(self) -> "Recorder":
+        return self  # one recorder accumulates over every calibration round
 
     def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
         self.inner.start(prompt_ids, None, prefill_hidden)
@@ -202,93 +208,3 @@ class _Recorder:
 
     def describe(self) -> dict:
         return {"method": self.name}
-
-
-def teacher_forced(engine, messages: list[dict], matrix, max_len: int = 1024) -> int:
-    """One prefill over a whole conversation; every position writes its token's row. Returns tokens read."""
-    tok = engine.tokenizer
-    if getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template(messages, tokenize=False)
-        ids = tok(text, add_special_tokens=False).input_ids[:max_len]
-    else:
-        ids = tok("\n\n".join(m["content"] for m in messages)).input_ids[:max_len]
-    out = engine.backend.prefill(torch.tensor(ids, dtype=torch.long), all_logits=True)
-    matrix.update(torch.tensor(ids, dtype=torch.long), out.logits)
-    return len(ids)
-
-
-def run_calibration(engine, inner, conversations: list[tuple[str, list[dict]]], rounds: int, max_new_tokens: int,
-                    budget: int, extra: int = 0, rho: float = 0.5, k: int = 8, progress=None,
-                    state_path: Path | None = None) -> Calibration:
-    """Warm-up + calibration; resumable per round through ``state_path`` (a torch file)."""
-    from ..engine import decode_tokens
-    from ..drafters.recycling import AdjacencyMatrix
-
-    chain = getattr(inner, "shape", "tree") == "chain"
-    matrix = AdjacencyMatrix(engine.vocab_size, k)
-    rec = _Recorder(inner, matrix, chain)
-    state = {"round": 0, "extra": 0, "seconds": 0.0, "tokens": 0, "steps": 0, "draft_s": 0.0, "verify_s": 0.0}
-    if state_path is not None and state_path.exists():
-        saved = torch.load(state_path, weights_only=False)
-        state = saved["state"]
-        matrix.load_snapshot(saved["snapshot"])
-        for key in ("conf", "outcome", "tail_conf", "tail_outcome", "ranks", "rank_hits"):
-            setattr(rec, key, saved[key])
-        rec.rank_trials = saved["rank_trials"]
-    if len(conversations) < rounds + extra:
-        raise SpecgraftError(f"calibration needs {rounds + extra} conversations, the data has {len(conversations)}")
-    total = rounds + extra
-
-    def checkpoint() -> None:
-        if state_path is None:
-            return
-        body = {"state": state, "snapshot": matrix.snapshot(), "rank_trials": rec.rank_trials,
-                **{key: getattr(rec, key) for key in ("conf", "outcome", "tail_conf", "tail_outcome", "ranks",
-                                                       "rank_hits")}}
-        torch.save(body, state_path.with_suffix(".tmp"))
-        state_path.with_suffix(".tmp").replace(state_path)
-
-    while state["extra"] < extra:
-        t0 = time.perf_counter()
-        _, messages = conversations[rounds + state["extra"]]
-        teacher_forced(engine, messages, matrix)
-        state["extra"] += 1
-        state["seconds"] += time.perf_counter() - t0
-        checkpoint()
-        if progress:
-            progress(state["round"] + state["extra"], total, "teacher-forced conversation")
-    while state["round"] < rounds:
-        t0 = time.perf_counter()
-        _, messages = conversations[state["round"]]
-        first = next(m for m in messages if m["role"] == "user")
-        ids = engine.encode([first])[-1024:]
-        stats = Stats("calibrate")
-        for _ in decode_tokens(engine.backend, rec, ids, SamplingParams(), max_new_tokens, budget, engine.eos_ids,
-                               stats, make_generator(0)):
-            pass
-        state["round"] += 1
-        state["tokens"] += stats.new_tokens
-        state["steps"] += stats.steps
-        state["draft_s"] += stats.draft_s
-        state["verify_s"] += stats.verify_s
-        state["seconds"] += time.perf_counter() - t0
-        checkpoint()
-        if progress:
-            progress(state["round"] + state["extra"], total, f"round: {stats.new_tokens} tokens, MAT {stats.mat:.2f}")
-
-    fits, taus = {}, []
-    for d, fb in zip(CHECKPOINTS, FALLBACK_THRESHOLDS):
-        tau, info = fit_threshold(rec.conf[d], rec.outcome[d], rho, fb)
-        fits[str(d)] = info
-        taus.append(tau)
-    tau_tail, tail_info = fit_threshold(rec.tail_conf, rec.tail_outcome, rho, FALLBACK_TAU_TAIL)
-    weights = None
-    if rec.rank_trials >= MIN_OBS:  # measured hit rates replace the prior (floor keeps every rank usable)
-        weights = tuple(round(max(h / rec.rank_trials, 1e-3), 4) for h in rec.rank_hits)
-    meta = {"rounds": rounds, "extra_conversations": extra, "max_new_tokens": max_new_tokens, "budget": budget,
-            "rho": rho, "k": k, "fits": fits, "tail_fit": tail_info, "rank_trials": rec.rank_trials,
-            "rank_hits": rec.rank_hits, "rows_filled": matrix.rows_filled,
-            "populated_bytes": matrix.populated_bytes, **state,
-            "draft_s_per_step": state["draft_s"] / max(state["steps"], 1),
-            "date": time.strftime("%Y-%m-%d"), "model": engine.model_name, "dtype": engine.dtype}
-    return Calibration(tuple(taus), CHECKPOINTS, tau_tail, weights, meta, matrix.snapshot(), rec.ranks)

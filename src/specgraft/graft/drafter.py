@@ -10,24 +10,25 @@ One step (``variant="graft"``)::
 
 Variants (the paper's ablations): ``prune`` (the gate, freed slots stay empty; with policy echo/ddd/svip),
 ``fixed`` (no gate, stage-1 split every step), ``root`` (no gate, 1/3 of the budget to a root template),
-``batch`` (draft to full depth, stage from the recorded confidences: fixed shapes for batch mode), and for
+``batch`` (draft to full depth, stage from the recorded confidences: fixed tree shapes), and for
 chain drafters ``tail`` (keep the confident prefix, fill the rest of the chain with M's rank-0 chain).
 All candidates are deterministic given the state before verification, so every variant is lossless.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import Counter
 
 import torch
 
-from ..drafters.dynamic_tree import rerank
+from ..drafters.dynamic_tree import InnerDrafter, rerank
 from .templates import RANK_WEIGHTS, ROOT_SHARE, graft_merge, stage_split, stage_template, sweep_template
 from .pruning import SparseGate
 from ..core.tree import SOURCE_DRAFT, SOURCE_RETRIEVAL, SOURCE_ROOT, Tree
 from ..core.drafter import DraftContext
-from ..drafters.recycling import AdjacencyMatrix
+from ..drafters.matrix import AdjacencyMatrix
 
 TREE_VARIANTS = ("graft", "prune", "fixed", "root", "batch")
 CHAIN_VARIANTS = ("tail", "prune")
@@ -36,12 +37,12 @@ CHAIN_VARIANTS = ("tail", "prune")
 class GraftDrafter:
     needs_prefill_logits = True  # the prefill's logits write the prompt tokens' rows (free observations)
 
-    def __init__(self, inner, vocab_size: int, variant: str = "graft", policy=None, k: int = 8,
+    def __init__(self, inner: InnerDrafter, vocab_size: int, variant: str = "graft", policy=None, k: int = 8,
                  scope: str = "request", snapshot: dict | None = None, dedup: str = "merge",
                  tau_tail: float = 0.1, rank_weights: tuple[float, ...] | None = None, name: str = "graft",
                  calibration: str = "fallback", sweep: tuple[int, int] | None = None,
                  matrix_source: str = "calibration", calibration_info: dict | None = None):
-        chain = getattr(inner, "shape", "tree") == "chain"
+        chain = inner.shape == "chain"
         variant = "tail" if chain and variant == "graft" else variant  # Graft on a chain is Graft-TAIL
         allowed = CHAIN_VARIANTS if chain else TREE_VARIANTS
         if variant not in allowed:
@@ -62,14 +63,16 @@ class GraftDrafter:
             raise ValueError(f"tau_tail must be in (0, 1], got {tau_tail}")
         self.inner, self.chain, self.variant, self.name = inner, chain, variant, name
         self.policy = policy if policy is not None else SparseGate()
-        self.hidden_layers = tuple(getattr(inner, "hidden_layers", ()))
+        self.hidden_layers = tuple(inner.hidden_layers)
         self.matrix = AdjacencyMatrix(vocab_size, k)
         self.scope, self.snapshot, self.dedup, self.tau_tail = scope, snapshot, dedup, tau_tail
         self.rank_weights = tuple(rank_weights) if rank_weights else None
         self.calibration, self.sweep, self.matrix_source = calibration, sweep, matrix_source
         self.calibration_info = calibration_info
         self._templates: dict[tuple, tuple] = {}
-        self.requests = self.lifetime_retrieval = 0
+        self.lifetime_retrieval = 0
+        # With scope "global", forks share the matrix and this request counter (the matrix is set up once).
+        self.shared = {"requests": 0}
         self.counters: Counter = Counter()
         self.stages: Counter = Counter()
         self.times = Counter()
@@ -77,15 +80,32 @@ class GraftDrafter:
             self.matrix.load_snapshot(snapshot)
 
     # -- the drafter protocol ---------------------------------------------------------------------------
+    @property
+    def forward_s(self) -> float:
+        return self.inner.forward_s
+
+    @property
+    def requests(self) -> int:
+        return self.shared["requests"]
+
+    def fork(self) -> "GraftDrafter":
+        c = copy.copy(self)  # settings, policy and templates are shared; the state below is per request
+        c.inner = self.inner.fork()
+        if self.scope == "request":
+            c.matrix, c.shared = AdjacencyMatrix(self.matrix.table.shape[0], self.matrix.k), {"requests": 0}
+        c.counters, c.stages, c.times = Counter(), Counter(), Counter()
+        c.lifetime_retrieval = 0
+        return c
+
     def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
-        inner_logits = prefill_logits if getattr(self.inner, "needs_prefill_logits", False) else None
+        inner_logits = prefill_logits if self.inner.needs_prefill_logits else None
         self.inner.start(prompt_ids, inner_logits, prefill_hidden)
         if self.scope == "request" or self.requests == 0:
             if self.snapshot is not None:
                 self.matrix.load_snapshot(self.snapshot)
             else:
                 self.matrix.clear()
-        self.requests += 1
+        self.shared["requests"] += 1
         self.counters, self.stages, self.times = Counter(), Counter(), Counter()  # per request (records)
         if prefill_logits is not None:
             self.matrix.update(torch.tensor(prompt_ids, dtype=torch.long), prefill_logits)
@@ -195,9 +215,5 @@ class GraftDrafter:
             onehot = torch.zeros(len(tail), probs.shape[1], dtype=probs.dtype)
             onehot[torch.arange(len(tail)), torch.tensor(tail)] = 1
             probs = torch.cat([probs, onehot])
-        n = len(drafts) + len(tail)
-        src = [SOURCE_ROOT] + [SOURCE_DRAFT] * len(drafts) + [SOURCE_RETRIEVAL] * len(tail)
-        tree = Tree.build([ctx.ids[-1], *drafts, *tail], list(range(-1, n)), src)
-        if probs is not None:
-            object.__setattr__(tree, "draft_probs", probs)
-        return tree
+        return Tree.chain(ctx.ids[-1], [*drafts, *tail], [SOURCE_DRAFT] * len(drafts) + [SOURCE_RETRIEVAL] * len(tail),
+                          probs)

@@ -12,7 +12,7 @@ svip       ``sqrt(entropy(q))`` of the best node's draft row   ``> 0.8`` nats^1/
 =========  ==================================================  =========================================
 
 ``echo`` is also Graft's gate: the level that fires picks the *stage* (index in the checkpoints), which sets
-how many draft nodes are kept and how many retrieval slots are filled (:mod:`specgraft.graft`).
+how many draft nodes are kept and how many retrieval slots are filled (:func:`specgraft.graft.templates.stage_split`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class SparseGate:
         return None if level is None else self.checkpoints.index(level)
 
     def stage_from_confidences(self, level_best: list[float]) -> int | None:
-        """The stage a full-depth draft *would* have stopped at (batch mode drafts to full depth)."""
+        """The stage a full-depth draft *would* have stopped at (Graft's ``batch`` variant drafts to full depth)."""
         for s, (lvl, tau) in enumerate(zip(self.checkpoints, self.thresholds)):
             if lvl < len(level_best) and level_best[lvl] < tau:
                 return s

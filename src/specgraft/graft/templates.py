@@ -23,7 +23,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..drafters.recycling import compile_template
+from ..drafters.matrix import compile_template
 
 # Stage s fires at checkpoint level (0, 1, 5)[s]; the paper's split of K_max = 60 is 8/52, 24/36, 40/20.
 STAGE_SHARES = (8 / 60, 24 / 60, 40 / 60)

@@ -3,10 +3,10 @@ real prompts with the real target ``p`` and the real drafts.
 
 - **chain** mode: decode losslessly with the draft-model chain; at every drafted position the pair
   ``(p, q)`` (target after temperature, the draft distribution the token was sampled from) gives each rule's
-  closed-form induced distribution ``pi = q a + R rho`` (lossy.py).
+  closed-form induced distribution ``pi = q a + R rho`` (lossy/rules.py).
 - **tree** mode: decode losslessly with the EAGLE-3 head (or any tree method); at every step's root the exact
   yield of the rule's gate over the actual sibling list (``tree_node_yield``) gives ``pi``; ``mc_draws > 0``
-  also runs the production verifier (``verify.lossy_tree``) that many times over the root's actual children
+  also runs the production verifier (``lossy.verify.lossy_tree``) that many times over the root's actual children
   and reports its TV to the exact yield (a check that the two agree).
 
 Per rule and parameter: mean TV(pi, b), mean KL(pi || b) and KL(b || pi) over the steps where they are finite
@@ -24,10 +24,13 @@ from pathlib import Path
 
 import torch
 
+from ..engine import Engine
+from ..eval.datasets import load_dataset
+from ..eval.harness import read_records
 from .rules import Rule, kl, parse_rule, tree_node_yield, tv
 from ..core.sampling import SamplingParams, make_generator, target_probs
 from ..core.tree import Tree
-from ..core.verify import lossy_tree
+from .verify import lossy_tree
 
 
 @dataclass
@@ -125,11 +128,6 @@ class DistortionConfig:
 def run_distortion(cfg: DistortionConfig, modes: list[str], out_path: str, engine=None, progress=None) -> list[dict]:
     """Decode each prompt once per mode (lossless, T = cfg.temperature) and measure every rule at every step;
     one record per (prompt, mode) appended to ``out_path``; existing records are kept (resume)."""
-    from ..eval.datasets import load_dataset
-    from ..engine import Engine, decode_tokens
-    from ..eval.harness import read_records
-    from ..core.stats import Stats
-
     all_rules = [parse_rule(s) for s in cfg.rules]
     items = load_dataset(cfg.prompts, cfg.limit, cfg.stride)
     out = Path(out_path)
@@ -140,21 +138,20 @@ def run_distortion(cfg: DistortionConfig, modes: list[str], out_path: str, engin
     for mode in modes:
         rules = [r for r in all_rules if mode == "chain" or not r.needs_q]
         method, opts = cfg.chain_method if mode == "chain" else cfg.tree_method
-        drafter = engine.drafter(method, **opts)
         budget = cfg.chain_budget if mode == "chain" else cfg.tree_budget
         for item in items:
             k += 1
             if (item.id, mode) in done:
                 continue
             params = SamplingParams(cfg.temperature, seed=cfg.seed)
-            gen, mc_gen = make_generator(cfg.seed), make_generator(cfg.seed + 1)
+            mc_gen = make_generator(cfg.seed + 1)  # the request's own generator is seeded with cfg.seed
             accs = {r.spec: Acc() for r in rules}
             ids = engine.encode(item.turns[0])
             hook = lambda tree, logits: measure_step(mode, rules, tree, logits, params, accs,  # noqa: E731
                                                      cfg.mc_draws, mc_gen)
-            for _ in decode_tokens(engine.backend, drafter, ids, params, cfg.max_new_tokens, budget,
-                                   engine.eos_ids, Stats(method), gen, on_verify=hook):
-                pass
+            engine.add_request(ids, method, sampling=params, max_new_tokens=cfg.max_new_tokens, budget=budget,
+                               on_verify=hook, **opts)
+            engine.run()
             rec = {"prompt_id": item.id, "mode": mode, "method": method, "model": cfg.model, "dtype": cfg.dtype,
                    "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
                    "rules": {s: a.__dict__ for s, a in accs.items()}}

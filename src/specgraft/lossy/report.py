@@ -1,7 +1,7 @@
 """Quality–efficiency table for LOSSY rules, each next to its correct baseline (``specgraft report --lossy``).
 
 Every lossy label is paired with the label of the same method whose verification is lossless and whose
-sampling is the rule's correct baseline (lossy.py ``Rule.baseline``): min-p / eta truncation sampling at the
+sampling is the rule's correct baseline (lossy/rules.py ``Rule.baseline``): min-p / eta truncation sampling at the
 same parameter for SpecCascade / typical acceptance, plain sampling otherwise. Quality pools every record
 (all seeds, all files); speed ratios come only from records of the same run (same file and seed), where the
 methods were interleaved, and that include AR (follow-up runs of extra seeds add quality and MAT only).
@@ -13,10 +13,12 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from ..core.stats import mean_accepted_tokens
+from ..registry import SAMPLING_KEYS
 from .rules import parse_rule
 
 
-_LOOP = ("verify", "min_p", "eta")
+_LOOP = ("verify", *SAMPLING_KEYS)
 
 
 def _options(label: str) -> tuple:
@@ -69,7 +71,7 @@ class _Group:
 
     @property
     def mat(self) -> float:
-        return self.committed / self.steps if self.steps else float("nan")
+        return mean_accepted_tokens(self.committed, self.steps)
 
     def quality(self, dataset: str | None = None) -> tuple[float, int]:
         vals = self.q.get(dataset, []) if dataset else [v for vs in self.q.values() for v in vs]

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from ..errors import SpecgraftError
 
-Gate = Callable[[int, torch.Tensor], float]  # (token, current r) -> acceptance probability
+from ..core.verify import Gate  # (token, current r) -> acceptance probability
 
 
 # ---- truncation sets (from the unmodified target p) ------------------------------------------------------
@@ -146,8 +145,6 @@ class Rule:
             raise NotImplementedError(f"{type(self).__name__} must define spec")
         return "lossless"
 
-
-Lossless = Rule
 
 _FALLBACKS = ("residual", "target_truncated", "draft_truncated", "target")
 
@@ -410,8 +407,9 @@ def parse_rule(spec: "str | Rule | None") -> Rule:
 
 def tree_node_yield(rule: Rule, p: torch.Tensor, child_tokens: list[int]) -> torch.Tensor:
     """Exact distribution of the token a node emits under ``rule``'s tree gate (q = 1 convention): the
-    accepted child's token, or the bonus from the final ``r``. The oracle for :func:`verify.lossy_tree`.
-    ``child_tokens`` in sibling order; duplicates are skipped as the verifier skips them."""
+    accepted child's token, or the bonus from the final ``r``. The oracle for
+    :func:`~specgraft.lossy.verify.lossy_tree`. ``child_tokens`` in sibling order; duplicates are skipped as the
+    verifier skips them."""
     gate = rule.tree_gate(p)
     out = torch.zeros_like(p)
     remaining, r = 1.0, p.clone()

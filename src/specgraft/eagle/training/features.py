@@ -25,13 +25,9 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from ...errors import SpecgraftError
+from ..checkpoint import default_layers
 
 TOP_K = 8
-
-
-def feature_layers(num_layers: int) -> tuple[int, int, int]:
-    """``hidden_states`` indices of the low / middle / high features (entry ``i`` is the input to layer ``i``)."""
-    return (2, num_layers // 2, num_layers - 3)
 
 
 def render(tokenizer, messages: list[dict], max_len: int) -> tuple[list[int], list[int]]:
@@ -101,7 +97,7 @@ def extract(model, tokenizer, convs: list[tuple[str, list[dict]]], out_dir: Path
     """Write ``eval.safetensors`` (the first ``eval_convs`` conversations, held out) and ``train-NNNNN``
     shards until ``max_tokens`` training tokens are cached. Resumes from ``features.json``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    layers = feature_layers(model.config.num_hidden_layers)
+    layers = default_layers(model.config.num_hidden_layers)
     meta_path = out_dir / "features.json"
     meta = {"layers": list(layers), "hidden_size": model.config.hidden_size, "max_len": max_len, "seed": seed,
             "top_k": TOP_K, "eval_convs": eval_convs, "done_convs": 0, "train_tokens": 0, "shards": [],

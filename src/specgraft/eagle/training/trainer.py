@@ -4,7 +4,7 @@ One optimizer step = several conversations (``batch_tokens``); the state (head, 
 position in the epoch, metrics) is checkpointed atomically every ``ckpt_every`` steps, and ``--resume``
 continues from it. Held-out per-step accuracy is measured every ``eval_every`` steps and at the end;
 ``metrics.jsonl`` and ``training.png`` show loss and accuracy against tokens seen and wall time. The result
-is exported in the official EAGLE-3 format (:func:`specgraft.head_io.save_head`).
+is exported in the official EAGLE-3 format (:func:`specgraft.eagle.checkpoint.save_head`).
 """
 
 from __future__ import annotations

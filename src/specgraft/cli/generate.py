@@ -1,0 +1,109 @@
+"""``specgraft generate`` and ``specgraft models``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+from ..errors import SpecgraftError
+from ..models import DEFAULT_MODEL, REGISTRY
+from ..registry import METHODS
+from .app import DEFAULTS_HELP, app, quiet_transformers
+
+
+def _method_options(method: str, pld_max_ngram, recycle_k, recycle_scope, draft_model, draft_shape, draft_top_k,
+                    draft_depth, head=None, tree_top_k=None, tree_depth=None) -> dict:
+    opts = {"pld": {"max_ngram": pld_max_ngram}, "recycle": {"k": recycle_k, "scope": recycle_scope},
+            "draft": {"model": draft_model, "shape": draft_shape, "top_k": draft_top_k, "depth": draft_depth},
+            "eagle": {"head": head, "top_k": tree_top_k, "depth": tree_depth},
+            }.get(method, {})
+    return {k: v for k, v in opts.items() if v is not None}
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The user message (wrapped in the model's chat template)."),
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=f"{', '.join(REGISTRY)} or a local HF directory."),
+    method: str = typer.Option("ar", help=f"One of {', '.join(METHODS)}. Defaults per method: {DEFAULTS_HELP}."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_p: float = typer.Option(1.0, help="Nucleus filter (1 = off)."),
+    top_k: int = typer.Option(0, help="Top-k filter (0 = off)."),
+    seed: Optional[int] = typer.Option(None, help="Sampling seed."),
+    min_p: float = typer.Option(0.0, help="min-p truncation sampling (0 = off); lossless SD w.r.t. it."),
+    eta: float = typer.Option(0.0, help="eta truncation sampling epsilon (0 = off); lossless SD w.r.t. it."),
+    verify: str = typer.Option("lossless", help="Verification rule: lossless (default) or an opt-in LOSSY rule "
+                               "lossy:RULE:PARAM with RULE one of speccascade, typical, cos, lenience, interp, cap, "
+                               "combined (docs/lossy.md); needs --temperature > 0."),
+    max_new_tokens: int = typer.Option(128, help="Maximum number of generated tokens."),
+    dtype: str = typer.Option("bfloat16", help="float32 (exact reference) or bfloat16 (2-3x faster on CPU)."),
+    budget: Optional[str] = typer.Option(None, help="Tree node budget (non-root nodes), or 'auto' (eagle/graft/"
+                                         "prune: maximise expected tokens/s on this machine); default per method."),
+    opt: list[str] = typer.Option([], help="Any method option as KEY=VALUE (repeatable), e.g. --opt drafter=draft-tree "
+                                  "--opt variant=fixed for graft; see the defaults listed under --method."),
+    stop: list[str] = typer.Option([], help="Stop string (repeatable)."),
+    chat: bool = typer.Option(True, help="Apply the model's chat template."),
+    pld_max_ngram: Optional[int] = typer.Option(None, help="pld: longest n-gram to look up."),
+    recycle_k: Optional[int] = typer.Option(None, help="recycle: successors per adjacency row."),
+    recycle_scope: Optional[str] = typer.Option(None, help="recycle: cold (per prompt) or hot (kept)."),
+    draft_model: Optional[str] = typer.Option(None, help="draft: the draft LM (same tokenizer as the target)."),
+    draft_shape: Optional[str] = typer.Option(None, help="draft: chain (gamma = budget) or tree (top-k, rerank)."),
+    draft_top_k: Optional[int] = typer.Option(None, help="draft tree: children per expanded node."),
+    draft_depth: Optional[int] = typer.Option(None, help="draft tree: expansion levels after the first."),
+    head: Optional[str] = typer.Option(None, help="eagle: EAGLE-3 head directory (official/SpecForge format); "
+                                       "default: the head shipped for --model."),
+    eagle_top_k: Optional[int] = typer.Option(None, help="eagle: children per expanded node (EAGLE's top_k)."),
+    eagle_depth: Optional[int] = typer.Option(None, help="eagle: expansion levels after the first (EAGLE's depth)."),
+    cache_dir: Optional[str] = typer.Option(None, help="Where converted models live (default: user cache)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON record instead of streaming text."),
+) -> None:
+    """Generate a reply, streaming text, then print one statistics line (to stderr)."""
+    from ..engine import Engine
+    from ..core.sampling import SamplingParams
+
+    from ..lossy.rules import parse_rule
+    from ..registry import check_lossy
+
+    sampling = SamplingParams(temperature, top_k, top_p, seed, min_p, eta)
+    opts = _method_options(method, pld_max_ngram, recycle_k, recycle_scope, draft_model, draft_shape, draft_top_k,
+                           draft_depth, head, eagle_top_k, eagle_depth)
+    if method not in METHODS:
+        raise SpecgraftError(f"unknown method '{method}'; choose one of: {', '.join(METHODS)}")
+    from ..eval.harness import parse_method
+
+    extra = {k: v for o in opt for k, v in parse_method("x:" + o).items() if k != "name"}
+    if "budget" in extra:
+        raise SpecgraftError("set the budget with --budget, not --opt budget=...")
+    opts.update(extra)
+    if budget is not None and budget != "auto":
+        try:
+            budget = int(budget)
+        except ValueError:
+            raise SpecgraftError(f"--budget must be an integer or 'auto', got '{budget}'") from None
+    rule = parse_rule(verify)
+    if rule.lossy:
+        check_lossy(rule, method, opts, sampling)
+        print(f"warning: {rule.spec} is LOSSY: the output does not follow the target distribution", file=sys.stderr)
+    quiet_transformers()
+    engine = Engine(model, dtype, cache_dir)
+    stream = engine.stream(prompt, method, sampling=sampling, max_new_tokens=max_new_tokens, stop=tuple(stop),
+                           chat=chat, budget=budget, verify=rule, **opts)
+    if as_json:
+        for _ in stream:
+            pass
+        print(json.dumps(stream.result.to_record()))
+        return
+    for piece in stream:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print(stream.result.stats.summary(), file=sys.stderr)
+
+
+@app.command("models")
+def list_models() -> None:
+    """List the named models and where their packages come from."""
+    for spec in REGISTRY.values():
+        print(f"{spec.name:22s} {spec.description}  [install: {spec.install_hint}]")

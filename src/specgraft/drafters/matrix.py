@@ -1,0 +1,100 @@
+"""The adjacency matrix that Token Recycling and Graft share (docs/design.md §4.2).
+
+``M[v]`` holds the top-k tokens the target predicted the last time it processed token ``v`` (``-1`` = never
+seen). Every verification overwrites the rows of every tree node's token (accepted or not) with the top-k
+of that node's logits. A template of rank paths turns ``M`` into a tree, one batched gather per level.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..core.tree import SOURCE_RETRIEVAL, SOURCE_ROOT, Tree
+
+
+def compile_template(paths: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rank paths -> (parents, ranks, depths) over ``1 + len(paths)`` nodes, node 0 the root.
+
+    Requires every path's prefix to appear earlier (prefix-closed, BFS order), so that any prefix of the
+    node list is itself a valid tree: a budget smaller than the template keeps the first nodes.
+    """
+    index = {(): 0}
+    parents, ranks, depths = [-1], [-1], [0]
+    for path in paths:
+        if path[:-1] not in index:
+            raise ValueError(f"template path {path} appears before its parent {path[:-1]}")
+        index[path] = len(parents)
+        parents.append(index[path[:-1]])
+        ranks.append(path[-1])
+        depths.append(len(path))
+    return np.array(parents), np.array(ranks), np.array(depths)
+
+
+class AdjacencyMatrix:
+    """``[V, k]`` int64 successor table; ``-1`` marks a row never written (cold)."""
+
+    def __init__(self, vocab_size: int, k: int = 8):
+        self.k = k
+        self.table = torch.full((vocab_size, k), -1, dtype=torch.long)
+
+    def clear(self) -> None:
+        self.table.fill_(-1)
+
+    @property
+    def rows_filled(self) -> int:
+        return int((self.table[:, 0] >= 0).sum())
+
+    def update(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """``M[tokens[j]] = topk(logits[j])``; a token occurring twice keeps its last occurrence."""
+        toks = tokens.tolist()
+        last = list({t: j for j, t in enumerate(toks)}.values())  # dict keeps the last index per token
+        idx = torch.tensor(last, dtype=torch.long)
+        k = min(self.k, logits.shape[-1])
+        top = torch.topk(logits.index_select(0, idx), k, dim=-1).indices
+        self.table[tokens[idx], :k] = top
+
+    def gather(self, root: int, parents: np.ndarray, ranks: np.ndarray, depths: np.ndarray) -> torch.Tensor:
+        """Template node tokens, one gather per level; ``-1`` under a cold row (or rank >= k), and below it."""
+        n = len(parents)
+        toks = torch.full((n,), -1, dtype=torch.long)
+        toks[0] = root
+        par_t = torch.from_numpy(parents)
+        rank_t = torch.from_numpy(ranks).clamp(0, self.k - 1)
+        rank_ok = torch.from_numpy(ranks < self.k)
+        for d in range(1, int(depths.max(initial=0)) + 1):
+            level = torch.from_numpy(np.flatnonzero(depths == d))
+            ptok = toks[par_t[level]]
+            got = self.table[ptok.clamp(min=0), rank_t[level]]
+            toks[level] = torch.where((ptok >= 0) & rank_ok[level], got, -1)
+        return toks
+
+    def materialize(self, root: int, parents: np.ndarray, ranks: np.ndarray, depths: np.ndarray) -> Tree:
+        """The template as a tree; nodes under a cold row (or rank >= k) are dropped with their subtree."""
+        toks = self.gather(root, parents, ranks, depths)
+        n = len(parents)
+        keep = np.flatnonzero(toks.numpy() >= 0)  # a dropped node's descendants are dropped too
+        remap = np.full(n, -1)
+        remap[keep] = np.arange(len(keep))
+        new_par = np.where(parents[keep] >= 0, remap[np.maximum(parents[keep], 0)], -1)
+        source = np.full(len(keep), SOURCE_RETRIEVAL, dtype=np.int8)
+        source[0] = SOURCE_ROOT
+        return Tree(toks[torch.from_numpy(keep)], torch.from_numpy(new_par), torch.from_numpy(source))
+
+    @property
+    def populated_bytes(self) -> int:
+        """Storage of the populated rows at int32 (how the Graft paper reports matrix size)."""
+        return self.rows_filled * self.k * 4
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """The populated rows only (``rows`` int32[n], ``succ`` int32[n, k]): small enough to ship."""
+        rows = torch.nonzero(self.table[:, 0] >= 0).flatten()
+        return {"rows": rows.to(torch.int32), "succ": self.table[rows].to(torch.int32)}
+
+    def load_snapshot(self, snap: dict[str, torch.Tensor]) -> None:
+        self.clear()
+        rows, succ = snap["rows"].long(), snap["succ"].long()
+        if succ.shape[1] != self.k or (rows.numel() and int(rows.max()) >= self.table.shape[0]):
+            raise ValueError(f"matrix snapshot has k={succ.shape[1]} and rows up to {int(rows.max(initial=0))}; "
+                             f"this matrix has k={self.k} and {self.table.shape[0]} rows")
+        self.table[rows] = succ

@@ -1,0 +1,98 @@
+"""Run a Graft calibration (`specgraft calibrate`) on the engine loop: warm-up rounds decoded greedily with
+the unpruned drafter wrapped in a :class:`~.calibration.Recorder`, optional teacher-forced conversations, then
+the fits of :mod:`.calibration`. Resumable per round.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..drafters.dynamic_tree import InnerDrafter
+from ..drafters.matrix import AdjacencyMatrix
+from ..engine import Engine, chat_ids
+from ..errors import SpecgraftError
+from .calibration import FALLBACK_TAU_TAIL, MIN_OBS, Calibration, Recorder, fit_threshold
+from .pruning import CHECKPOINTS, FALLBACK_THRESHOLDS
+
+
+def teacher_forced(engine: Engine, messages: list[dict], matrix, max_len: int = 1024) -> int:
+    """One prefill over a whole conversation; every position writes its token's row. Returns tokens read."""
+    ids = chat_ids(engine.tokenizer, messages, add_generation_prompt=False)[:max_len]
+    out = engine.backend.add(torch.tensor(ids, dtype=torch.long), all_logits=True)
+    engine.backend.remove(engine.backend.rows - 1)  # read, not decoded: the row leaves at once
+    matrix.update(torch.tensor(ids, dtype=torch.long), out.logits)
+    return len(ids)
+
+
+def run_calibration(engine: Engine, inner: InnerDrafter, conversations: list[tuple[str, list[dict]]], rounds: int,
+                    max_new_tokens: int, budget: int, extra: int = 0, rho: float = 0.5, k: int = 8, progress=None,
+                    state_path: Path | None = None) -> Calibration:
+    """Warm-up + calibration; resumable per round through ``state_path`` (a torch file)."""
+    matrix = AdjacencyMatrix(engine.vocab_size, k)
+    rec = Recorder(inner, matrix)
+    state = {"round": 0, "extra": 0, "seconds": 0.0, "tokens": 0, "steps": 0, "draft_s": 0.0, "verify_s": 0.0}
+    if state_path is not None and state_path.exists():
+        saved = torch.load(state_path, weights_only=False)
+        state = saved["state"]
+        matrix.load_snapshot(saved["snapshot"])
+        for key in ("conf", "outcome", "tail_conf", "tail_outcome", "ranks", "rank_hits"):
+            setattr(rec, key, saved[key])
+        rec.rank_trials = saved["rank_trials"]
+    if len(conversations) < rounds + extra:
+        raise SpecgraftError(f"calibration needs {rounds + extra} conversations, the data has {len(conversations)}")
+    total = rounds + extra
+
+    def checkpoint() -> None:
+        if state_path is None:
+            return
+        body = {"state": state, "snapshot": matrix.snapshot(), "rank_trials": rec.rank_trials,
+                **{key: getattr(rec, key) for key in ("conf", "outcome", "tail_conf", "tail_outcome", "ranks",
+                                                       "rank_hits")}}
+        torch.save(body, state_path.with_suffix(".tmp"))
+        state_path.with_suffix(".tmp").replace(state_path)
+
+    while state["extra"] < extra:
+        t0 = time.perf_counter()
+        _, messages = conversations[rounds + state["extra"]]
+        teacher_forced(engine, messages, matrix)
+        state["extra"] += 1
+        state["seconds"] += time.perf_counter() - t0
+        checkpoint()
+        if progress:
+            progress(state["round"] + state["extra"], total, "teacher-forced conversation")
+    while state["round"] < rounds:
+        t0 = time.perf_counter()
+        _, messages = conversations[state["round"]]
+        first = next(m for m in messages if m["role"] == "user")
+        ids = engine.encode([first])[-1024:]
+        engine.add_request(ids, "calibrate", drafter=rec, max_new_tokens=max_new_tokens, budget=budget)
+        stats = next(iter(engine.run().values())).stats
+        state["round"] += 1
+        state["tokens"] += stats.new_tokens
+        state["steps"] += stats.steps
+        state["draft_s"] += stats.draft_s
+        state["verify_s"] += stats.verify_s
+        state["seconds"] += time.perf_counter() - t0
+        checkpoint()
+        if progress:
+            progress(state["round"] + state["extra"], total, f"round: {stats.new_tokens} tokens, MAT {stats.mat:.2f}")
+
+    fits, taus = {}, []
+    for d, fb in zip(CHECKPOINTS, FALLBACK_THRESHOLDS):
+        tau, info = fit_threshold(rec.conf[d], rec.outcome[d], rho, fb)
+        fits[str(d)] = info
+        taus.append(tau)
+    tau_tail, tail_info = fit_threshold(rec.tail_conf, rec.tail_outcome, rho, FALLBACK_TAU_TAIL)
+    weights = None
+    if rec.rank_trials >= MIN_OBS:  # measured hit rates replace the prior (floor keeps every rank usable)
+        weights = tuple(round(max(h / rec.rank_trials, 1e-3), 4) for h in rec.rank_hits)
+    meta = {"rounds": rounds, "extra_conversations": extra, "max_new_tokens": max_new_tokens, "budget": budget,
+            "rho": rho, "k": k, "fits": fits, "tail_fit": tail_info, "rank_trials": rec.rank_trials,
+            "rank_hits": rec.rank_hits, "rows_filled": matrix.rows_filled,
+            "populated_bytes": matrix.populated_bytes, **state,
+            "draft_s_per_step": state["draft_s"] / max(state["steps"], 1),
+            "date": time.strftime("%Y-%m-%d"), "model": engine.model_name, "dtype": engine.dtype}
+    return Calibration(tuple(taus), CHECKPOINTS, tau_tail, weights, meta, matrix.snapshot(), rec.ranks)
