@@ -40,7 +40,7 @@ def worker(model: str, dtype: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--before", required=True, help="src directory of the old checkout")
+    ap.add_argument("--before", help="src directory of the old checkout (required unless --worker)")
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -49,6 +49,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args.model, args.dtype)
+    if not args.before:
+        ap.error("--before is required")
 
     sys.path.insert(0, str(REPO / "src"))
     from specgraft.env import environment
@@ -61,7 +63,7 @@ def main() -> None:
     procs = {}
     for version, src in (("before", args.before), ("after", str(REPO / "src"))):
         env = {**os.environ, "PYTHONPATH": src}
-        p = subprocess.Popen([sys.executable, __file__, "--worker", "--model", args.model, "--dtype", args.dtype],
+        p = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", "--model", args.model, "--dtype", args.dtype],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd="/tmp")
         ready = json.loads(p.stdout.readline())
         assert Path(ready["ready"]).resolve().is_relative_to(Path(src).resolve()), (version, ready)
