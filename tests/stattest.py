@@ -12,6 +12,8 @@ Rule, for observed ``counts`` of ``n`` draws against an exact distribution ``exp
 once every bin expects >= 5; ``scripts/sampling_power.py`` measures the real rate and the power of each test
 against realistic verifier bugs). There is deliberately no per-cell z bound: on cells that expect far below
 one count a single draw is a huge z, so such a bound fails correct code at a rate far above its nominal one.
+
+In our words, with the worked examples the tests assert: docs/design.md §7.2.
 """
 
 from __future__ import annotations

@@ -26,10 +26,12 @@ from .core.stats import Stats
 from .core.tree import Tree
 from .core.verify import Verdict, verify_tree
 from .errors import SpecgraftError
+from .graft.autotune import auto_budget
 from .lossy.rules import Rule, parse_rule
 from .lossy.verify import verify_tree_lossy
+from .models import load
 from .reference import assistant, hf_assisted
-from .registry import DEFAULTS, check_lossy, make_drafter
+from .registry import DEFAULTS, check_lossy, check_options, make_drafter
 from .text import TextState
 
 clock = time.perf_counter
@@ -105,8 +107,6 @@ class Engine:
     ``Engine.from_model(m, tok)``."""
 
     def __init__(self, model: str = "smollm2-135m", dtype: str = "float32", cache_dir: str | None = None):
-        from .models import load
-
         hf_model, tok = load(model, dtype, cache_dir)
         self._setup(hf_model, tok, model, dtype)
 
@@ -154,8 +154,6 @@ class Engine:
 
     def auto_budget(self, method: str, options: dict) -> tuple[int, dict]:
         """``budget="auto"``: resolved once per method and options (graft/autotune.py), then cached."""
-        from .graft.autotune import auto_budget
-
         key = ("auto", method, tuple(sorted((k, str(v)) for k, v in options.items())))
         if key not in self._auto:
             self._auto[key] = auto_budget(self, method, options)
@@ -329,14 +327,14 @@ class Engine:
                          req.finish_reason or "abort")
         return RequestOutput(req.id, [], "", True, gen)
 
+    def outputs(self) -> Iterator[RequestOutput]:
+        """Step until nothing is in flight, yielding every request's outputs as they come."""
+        while self.has_unfinished():
+            yield from self.step()
+
     def run(self) -> dict[int, Generation]:
         """Step until every request in flight has finished; their results by request id."""
-        results = {}
-        while self.has_unfinished():
-            for o in self.step():
-                if o.finished:
-                    results[o.request_id] = o.result
-        return results
+        return {o.request_id: o.result for o in self.outputs() if o.finished}
 
     # -- one request at a time: B = 1 of the same loop ------------------------------------------------------
     def stream(self, prompt: str | list[dict] | list[int], method: str = "ar", *, sampling: SamplingParams | None = None,
@@ -375,9 +373,7 @@ class Engine:
             check_lossy(rule, "hf_assisted", options, sampling)
         if stop:
             raise SpecgraftError("hf_assisted does not support stop strings")
-        unknown = set(options) - set(DEFAULTS["hf_assisted"])
-        if unknown:
-            raise SpecgraftError(f"method 'hf_assisted' has no option(s) {sorted(unknown)}")
+        check_options("hf_assisted", options)
         model = options.get("model", DEFAULTS["hf_assisted"]["model"])
         assistant(model, self.dtype, self.vocab_size)
         ids = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else \

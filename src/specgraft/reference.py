@@ -13,16 +13,15 @@ import time
 
 import torch
 
-from .errors import SpecgraftError
 from .core.sampling import SamplingParams
 from .core.stats import Stats
+from .errors import SpecgraftError
+from .models import load
 
 _ASSISTANTS: dict[tuple, torch.nn.Module] = {}
 
 
 def assistant(name: str, dtype: str, vocab_size: int):
-    from .models import load
-
     key = (name, dtype)
     if key not in _ASSISTANTS:
         model, _ = load(name, dtype)

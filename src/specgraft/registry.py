@@ -46,17 +46,22 @@ SAMPLING_KEYS = ("min_p", "eta")
 LOOP_KEYS = ("verify", *SAMPLING_KEYS, "label")
 
 
+def check_options(method: str, options, extra: tuple[str, ...] = ()) -> None:
+    """One error for an unknown method or option (``extra``: per-request keys a caller also accepts)."""
+    if method not in DEFAULTS:
+        raise SpecgraftError(f"unknown method '{method}'; choose one of: {', '.join(METHODS)}")
+    unknown = set(options) - set(DEFAULTS[method]) - set(extra)
+    if unknown:
+        raise SpecgraftError(f"method '{method}' has no option(s) {sorted(unknown)}; it takes {sorted(DEFAULTS[method])}")
+
+
 def make_drafter(method: str, vocab_size: int, dtype: str = "float32", target=None, target_name: str = "custom",
                  **options) -> Drafter:
     """Build a drafter; ``options`` override ``DEFAULTS[method]`` (``budget`` is the loop's, not the drafter's).
 
     ``target`` (the HF model) and ``target_name`` are needed by drafters bound to the target (EAGLE heads).
     """
-    if method not in DEFAULTS:
-        raise SpecgraftError(f"unknown method '{method}'; choose one of: {', '.join(METHODS)}")
-    unknown = set(options) - set(DEFAULTS[method])
-    if unknown:
-        raise SpecgraftError(f"method '{method}' has no option(s) {sorted(unknown)}; it takes {sorted(DEFAULTS[method])}")
+    check_options(method, options)
     opts = {**DEFAULTS[method], **options}  # "budget" belongs to the loop; drafters read it from the context
     try:
         if method == "ar":
@@ -205,4 +210,4 @@ def check_lossy(rule: Rule, method: str, options: dict, sampling: SamplingParams
                              f"(method draft with shape=chain), not '{method}'")
 
 
-__all__ = ["DEFAULTS", "METHODS", "check_lossy", "make_drafter"]
+__all__ = ["DEFAULTS", "METHODS", "check_lossy", "check_options", "make_drafter"]

@@ -1,3 +1,5 @@
+"""Golden outputs of the worked examples in docs/design.md §3.1."""
+
 import pytest
 import torch
 

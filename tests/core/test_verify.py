@@ -3,6 +3,8 @@
 The "model" here is a random table ``p(. | prefix)`` over a small vocabulary, so the exact AR
 distribution of the first three tokens is known. Each rule commits some tokens from one verified step; the
 rest of the three are filled by plain AR sampling, so any bias of the rule shows up in the joint.
+
+In our words, with the worked examples the tests assert: docs/design.md §3.
 """
 
 import itertools

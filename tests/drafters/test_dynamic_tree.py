@@ -1,3 +1,5 @@
+"""Golden outputs of the worked examples in docs/design.md §4.4."""
+
 import math
 
 import torch

@@ -1,3 +1,5 @@
+"""Golden outputs of the worked examples in docs/design.md §4.2."""
+
 import numpy as np
 import torch
 

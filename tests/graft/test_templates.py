@@ -1,4 +1,4 @@
-"""Graft's pure parts: stage split, template generator (golden), width scaling, shared-root trie merge."""
+"""Graft's pure parts: stage split, template generator (golden), width scaling, shared-root trie merge (docs/design.md §5.3, §5.4)."""
 
 import numpy as np
 import pytest

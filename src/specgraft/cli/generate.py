@@ -10,7 +10,7 @@ import typer
 
 from ..errors import SpecgraftError
 from ..models import DEFAULT_MODEL, REGISTRY
-from ..registry import METHODS
+from ..registry import METHODS, check_options
 from .app import DEFAULTS_HELP, app, quiet_transformers
 
 
@@ -69,8 +69,7 @@ def generate(
     sampling = SamplingParams(temperature, top_k, top_p, seed, min_p, eta)
     opts = _method_options(method, pld_max_ngram, recycle_k, recycle_scope, draft_model, draft_shape, draft_top_k,
                            draft_depth, head, eagle_top_k, eagle_depth)
-    if method not in METHODS:
-        raise SpecgraftError(f"unknown method '{method}'; choose one of: {', '.join(METHODS)}")
+    check_options(method, {})
     from ..eval.harness import parse_method
 
     extra = {k: v for o in opt for k, v in parse_method("x:" + o).items() if k != "name"}

@@ -2,6 +2,8 @@
 
 "Lossless" means "equal to AR decoding with the same settings": the target distribution ``p`` that a
 verification rule sees at a tree node is exactly what AR would sample from at that position.
+
+In our words, with the worked examples the tests assert: docs/design.md §3.3.
 """
 
 from __future__ import annotations

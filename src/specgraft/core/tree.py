@@ -25,6 +25,8 @@ to among the tree slots (``x`` = visible)::
 
 The target sees the committed prefix (``P`` columns, all visible) followed by these ``W`` columns, and node
 ``i`` sits at position ``P + depth[i]``.
+
+In our words, with the worked examples the tests assert: docs/design.md §3.1.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ Shapes: a tree has ``W`` nodes; ``logits``/``probs`` are ``[W, V]`` (row i = tar
 Candidates of trees are deterministic (fixed before any target randomness), so tree sampling uses the
 "q = 1" rule: accept sibling ``x`` with probability ``r(x)``, on rejection zero it and renormalise. The
 production form draws one sample per node and walks (sample-then-match), which is equal in distribution.
+
+In our words, with the worked examples the tests assert: docs/design.md §3.2-§3.8.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ rolls the cache back to what the target accepted, so nothing is recomputed that 
 
     draft cache:  [ prefix | a1 a2 ]        drafted: d1 d2 d3 d4 (d4 never fed)
     target accepts d1 d2, bonus b  ->  cache rolled back to [ prefix | a1 a2 d1 d2 ], next feed: [ b ]
+
+In our words, with the worked examples the tests assert: docs/design.md §4.3.
 """
 
 from __future__ import annotations

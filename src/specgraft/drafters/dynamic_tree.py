@@ -19,6 +19,8 @@ each implement it with their own forward pass.
 A *gate* (a pruning policy, :mod:`specgraft.graft.pruning`) may stop the expansion after any level: it sees the
 level, the frontier's cumulative log-probs and the log-prob row that produced the best frontier node; on
 ``True`` no further draft forward runs and ``Candidates.stopped_at`` records the level.
+
+In our words, with the worked examples the tests assert: docs/design.md §4.4.
 """
 
 from __future__ import annotations

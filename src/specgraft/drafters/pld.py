@@ -7,6 +7,8 @@ Example (``max_ngram=3``, ``num_pred=4``)::
 
 Longest n-gram first, earliest match first; the continuation may be cut by the end of the history.
 The candidates form a deterministic chain verified like any tree.
+
+In our words, with the worked examples the tests assert: docs/design.md §4.1.
 """
 
 from __future__ import annotations

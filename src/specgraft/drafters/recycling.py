@@ -12,6 +12,8 @@ of that node's logits. A template of rank paths turns ``M`` into a tree, one bat
         └── M[b,0]            [1,0]          M[b, 0]
 
 A node whose parent's row is empty is dropped with its subtree.
+
+In our words, with the worked examples the tests assert: docs/design.md §4.2.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ Each step, in the head's own KV cache (positions = pair positions, see :mod:`spe
 The speculative keys are dropped after drafting; ``observe`` takes the target's hidden states at the
 accepted nodes (root first) as the features of the next extend. Candidates are deterministic, so trees are
 verified with the q = 1 rule at any temperature.
+
+In our words, with the worked examples the tests assert: docs/design.md §4.5.
 """
 
 from __future__ import annotations

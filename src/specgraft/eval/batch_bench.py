@@ -2,7 +2,7 @@
 
 Continuous batching, as a server runs it: B requests join, and whenever one finishes the next prompt joins
 at the following step. Methods are interleaved per batch size after a warm-up on a prompt outside the
-evaluation set; resumable (one JSONL record per finished (batch size, method) pair). Greedy outputs are
+evaluation set, the method order rotated by one place per batch size; resumable (one JSONL record per finished (batch size, method) pair). Greedy outputs are
 compared with the B = 1 outputs (they must be equal: docs/design.md §2).
 """
 
@@ -16,7 +16,7 @@ from ..core.stats import Stats
 from ..engine import Engine
 from ..env import environment
 from ..errors import SpecgraftError
-from .harness import WARMUP_PROMPT, MethodSpec
+from .harness import WARMUP_PROMPT, MethodSpec, rotated
 
 
 def run_batch(engine: Engine, method: str, options: dict, prompts: list[list[int]], batch_size: int,
@@ -72,8 +72,8 @@ def run_batch_bench(engine: Engine, specs: list[MethodSpec], prompts: list[list[
         run_batch(engine, spec.method, spec.options, [warm, warm], 2, 8)
     env = environment()
     total, n = len(specs) * len(batch_sizes), 0
-    for bsz in batch_sizes:
-        for spec in specs:
+    for b, bsz in enumerate(batch_sizes):
+        for spec in rotated(specs, b):  # the method order rotates by one place per batch size
             n += 1
             if (spec.label, bsz) in done:
                 continue

@@ -24,7 +24,7 @@ from ..engine import Engine
 from ..env import environment
 from ..errors import SpecgraftError
 from ..lossy.rules import parse_rule
-from ..registry import DEFAULTS, LOOP_KEYS, METHODS, SAMPLING_KEYS, check_lossy
+from ..registry import LOOP_KEYS, SAMPLING_KEYS, check_lossy, check_options
 from .datasets import Item, load_dataset
 from .quality import score
 
@@ -96,11 +96,7 @@ def expand_methods(entries: list[dict], add_ar: bool = True) -> list[MethodSpec]
     for entry in entries:
         entry = dict(entry)
         name = entry.pop("name", None)
-        if name not in METHODS:
-            raise SpecgraftError(f"unknown method '{name}'; choose one of: {', '.join(METHODS)}")
-        unknown = set(entry) - set(DEFAULTS[name]) - set(LOOP_KEYS)
-        if unknown:
-            raise SpecgraftError(f"method '{name}' has no option(s) {sorted(unknown)}; it takes {sorted(DEFAULTS[name])}")
+        check_options(name, entry, LOOP_KEYS)
         keys = sorted(entry)
         values = [v if isinstance(v, list) else [v] for v in (entry[k] for k in keys)]
         for combo in itertools.product(*values):

@@ -8,60 +8,16 @@ MAT includes the bonus token (AR = 1). Intervals, goals, measured noise and prov
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.stats import mean_accepted_tokens
 from . import report_stats as rs
+from .report_stats import Agg
 from .harness import complete_conversations, read_records
 
 
 def _key(r: dict) -> tuple:
     return r["dataset"], r["prompt_id"], r["turn"], r["seed"]
-
-
-@dataclass
-class Agg:
-    n: int = 0
-    tokens: int = 0
-    wall: float = 0.0
-    steps: int = 0
-    committed: int = 0
-    prefill: float = 0.0
-    draft: float = 0.0
-    verify: float = 0.0
-    other: float = 0.0
-    nodes: int = 0
-    trials: list[int] = field(default_factory=list)
-    accepts: list[int] = field(default_factory=list)
-    quality: list[float] = field(default_factory=list)
-
-    def add(self, r: dict) -> None:
-        self.n += 1
-        self.tokens += r["new_tokens"]
-        self.wall += r["wall_s"]
-        self.steps += r["steps"]
-        self.committed += sum(a + 1 for a in r["accept_lengths"])
-        self.prefill += r["prefill_s"]
-        self.draft += r["draft_s"]
-        self.verify += r["verify_s"]
-        self.other += r["other_s"]
-        self.nodes += r["tree_nodes"]
-        for name, src in (("trials", r["depth_trials"]), ("accepts", r["depth_accepts"])):
-            dst = getattr(self, name)
-            dst.extend([0] * (len(src) - len(dst)))
-            for i, v in enumerate(src):
-                dst[i] += v
-        if r.get("quality"):
-            self.quality.append(r["quality"]["value"])
-
-    @property
-    def mat(self) -> float:
-        return mean_accepted_tokens(self.committed, self.steps)
-
-    @property
-    def alpha(self) -> list[float]:
-        return [a / t if t else 0.0 for a, t in zip(self.accepts, self.trials)]
 
 
 def speedup(base: Agg, other: Agg) -> float:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core.stats import mean_accepted_tokens
 from ..errors import SpecgraftError
 
 RESAMPLES = 10_000
@@ -32,23 +33,57 @@ def key_name(k: tuple) -> str:
 
 
 @dataclass
-class Sums:
-    """Per-prompt sums for one label: wall seconds, new tokens, committed tokens, target forwards."""
-    wall: float = 0.0
+class Agg:
+    """Sums over records (one label, one group or one prompt): tokens, wall time, steps, the time split,
+    per-depth trials and accepts, quality scores."""
+
+    n: int = 0
     tokens: int = 0
-    committed: int = 0
+    wall: float = 0.0
     steps: int = 0
+    committed: int = 0
+    prefill: float = 0.0
+    draft: float = 0.0
+    verify: float = 0.0
+    other: float = 0.0
+    nodes: int = 0
+    trials: list[int] = field(default_factory=list)
+    accepts: list[int] = field(default_factory=list)
+    quality: list[float] = field(default_factory=list)
+
+    def add(self, r: dict) -> None:
+        self.n += 1
+        self.tokens += r["new_tokens"]
+        self.wall += r["wall_s"]
+        self.steps += r["steps"]
+        self.committed += sum(a + 1 for a in r["accept_lengths"])
+        self.prefill += r["prefill_s"]
+        self.draft += r["draft_s"]
+        self.verify += r["verify_s"]
+        self.other += r["other_s"]
+        self.nodes += r["tree_nodes"]
+        for name, src in (("trials", r["depth_trials"]), ("accepts", r["depth_accepts"])):
+            dst = getattr(self, name)
+            dst.extend([0] * (len(src) - len(dst)))
+            for i, v in enumerate(src):
+                dst[i] += v
+        if r.get("quality"):
+            self.quality.append(r["quality"]["value"])
+
+    @property
+    def mat(self) -> float:
+        return mean_accepted_tokens(self.committed, self.steps)
+
+    @property
+    def alpha(self) -> list[float]:
+        return [a / t if t else 0.0 for a, t in zip(self.accepts, self.trials)]
 
 
 def per_prompt(records: list[dict]) -> dict:
-    """{label: {prompt key: Sums}}, turns of a conversation summed."""
+    """{label: {prompt key: Agg}}, turns of a conversation summed."""
     out: dict = {}
     for r in records:
-        s = out.setdefault(r["label"], {}).setdefault(prompt_key(r), Sums())
-        s.wall += r["wall_s"]
-        s.tokens += r["new_tokens"]
-        s.committed += sum(a + 1 for a in r["accept_lengths"])
-        s.steps += r["steps"]
+        out.setdefault(r["label"], {}).setdefault(prompt_key(r), Agg()).add(r)
     return out
 
 
@@ -112,7 +147,7 @@ def speedup_ci(pp: dict, label: str, base: str, **kw) -> Estimate:
                            **kw)
 
 
-def _steps(s: Sums) -> tuple[float, float]:
+def _steps(s: Agg) -> tuple[float, float]:
     return s.committed, s.steps  # MAT = their ratio (core.stats.mean_accepted_tokens), pooled over prompts
 
 

@@ -8,6 +8,8 @@
   candidates by score, and along the accepted path scores fall, so under greedy verification the path
   accepted at budget ``K`` is the accepted nodes whose score rank is below ``K`` (ranks recorded per step).
 - ``draft_s``: the mean drafting time per step measured during calibration.
+
+In our words, with the worked examples the tests assert: docs/design.md §5.8.
 """
 
 from __future__ import annotations

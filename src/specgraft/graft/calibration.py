@@ -14,6 +14,8 @@ Then per checkpoint: 10 equal-mass bins of ``c``, their acceptance made monotone
 ``tau = `` the lower edge of the first bin whose rate reaches ``rho`` (default 0.5); under 200 observations
 the fallback; clamped to [0.02, 0.9]. Optional ``extra`` conversations are read teacher-forced (one prefill
 each, rows from every position): a cheap prior on CPU. The matrix after all of it is the warm-up snapshot.
+
+In our words, with the worked examples the tests assert: docs/design.md §5.7.
 """
 
 from __future__ import annotations

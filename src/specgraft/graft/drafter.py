@@ -13,6 +13,8 @@ Variants (the paper's ablations): ``prune`` (the gate, freed slots stay empty; w
 ``batch`` (draft to full depth, stage from the recorded confidences: fixed tree shapes), and for
 chain drafters ``tail`` (keep the confident prefix, fill the rest of the chain with M's rank-0 chain).
 All candidates are deterministic given the state before verification, so every variant is lossless.
+
+In our words, with the worked examples the tests assert: docs/design.md §5.1, §5.5.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ svip       ``sqrt(entropy(q))`` of the best node's draft row   ``> 0.8`` nats^1/
 
 ``echo`` is also Graft's gate: the level that fires picks the *stage* (index in the checkpoints), which sets
 how many draft nodes are kept and how many retrieval slots are filled (:func:`specgraft.graft.templates.stage_split`).
+
+In our words, with the worked examples the tests assert: docs/design.md §5.2.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ adjacency matrix (``M[x, r]`` = the target's r-th successor of ``x``) and grafte
 
 A retrieved node equal to an existing sibling is merged into it (costs no slot); its children still attach.
 Templates are asymmetric: the rank-0 chain goes deepest, lower ranks stay shallow (see ``build_template``).
+
+In our words, with the worked examples the tests assert: docs/design.md §5.3, §5.4.
 """
 
 from __future__ import annotations

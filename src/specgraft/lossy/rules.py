@@ -15,6 +15,8 @@ renormalise; the bonus comes from the final ``r``. Rules that need ``q`` (CoS, i
 no tree form and raise.
 
 All vectors are float64 ``[V]``; ``p`` and ``q`` are probability vectors over the same vocabulary.
+
+In our words, with the worked examples the tests assert: docs/design.md §6.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 Never used unless a request asks for ``verify="lossy:RULE:PARAM"``; the lossless core does not import this
 package. Shapes as in core/verify.py: a chain has ``g`` draft tokens with ``p: [g + 1, V]``, ``q: [g, V]``.
+
+In our words, with the worked examples the tests assert: docs/design.md §6.
 """
 
 from __future__ import annotations
