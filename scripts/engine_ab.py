@@ -3,8 +3,9 @@
 Two worker processes, one per code version (``--before``: the ``src`` directory of a checkout of the old
 commit; the new code is this repository's ``src``), each with the target loaded. The driver sends them one
 request at a time (never two at once), for every prompt and method, the order of (version, method) rotated by
-one place per prompt; warm-up on a prompt outside the evaluation set. Prints a per-prompt table and the
-after / before speed ratio per method with a bootstrap 95% interval over prompts; records to ``--out``.
+one place per prompt; warm-up on a prompt outside the evaluation set. ``after#2`` repeats every ``after`` request
+on the same worker: the after#2 / after ratio is the run's noise. Prints a per-prompt table and the after /
+before speed ratio per method with a bootstrap 95% interval over prompts; records to ``--out``.
 
     git worktree add /tmp/before 197fc81
     python scripts/engine_ab.py --before /tmp/before/src --out runs/engine-ab.jsonl
@@ -70,15 +71,16 @@ def main() -> None:
         procs[version] = p
 
     def ask(version, method, opts, prompt):
-        p = procs[version]
+        p = procs[version.split("#")[0]]
         p.stdin.write(json.dumps({"prompt": prompt, "method": method, "options": opts,
                                   "max_new_tokens": args.max_new_tokens}) + "\n")
         p.stdin.flush()
         return json.loads(p.stdout.readline())
 
-    cells = [(v, m, o) for v in ("before", "after") for m, o in METHODS]
+    cells = [(v, m, o) for v in ("before", "after", "after#2") for m, o in METHODS]
     for v, m, o in cells:  # warm-up outside the evaluation set
-        ask(v, m, o, WARMUP_PROMPT)
+        if "#" not in v:
+            ask(v, m, o, WARMUP_PROMPT)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     env = environment()
@@ -104,25 +106,30 @@ def report(rows: list[dict], ratio_of_ratios, env: dict) -> str:
     by = {(r["prompt_id"], r["version"], r["method"]): r for r in rows}
     pids = list(dict.fromkeys(r["prompt_id"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    head = "| prompt | " + " | ".join(f"{m} before | {m} after" for m in methods) + " | outputs equal |"
-    lines = [head, "|" + "---|" * (2 * len(methods) + 2)]
+    versions = list(dict.fromkeys(r["version"] for r in rows))
+    head = "| prompt | " + " | ".join(f"{m} {v}" for m in methods for v in versions) + " | outputs equal |"
+    lines = [head, "|" + "---|" * (len(methods) * len(versions) + 2)]
     for pid in pids:
-        cells = []
-        for m in methods:
-            for v in ("before", "after"):
-                r = by[(pid, v, m)]
-                cells.append(f"{r['tokens'] / r['wall_s']:.2f}")
-        same = all(by[(pid, "before", m)]["token_ids"] == by[(pid, "after", m)]["token_ids"] for m in methods)
+        cells = [f"{by[(pid, v, m)]['tokens'] / by[(pid, v, m)]['wall_s']:.2f}" for m in methods for v in versions]
+        same = all(by[(pid, v, m)]["token_ids"] == by[(pid, "before", m)]["token_ids"] for m in methods for v in versions)
         lines.append(f"| {pid} | " + " | ".join(cells) + f" | {same} |")
     lines.append("")
+
+    def ratio(m, num, den):
+        a, b = [by[(p, num, m)] for p in pids], [by[(p, den, m)] for p in pids]
+        return ratio_of_ratios([x["wall_s"] for x in b], [x["tokens"] for x in b],
+                               [x["wall_s"] for x in a], [x["tokens"] for x in a])
+
     for m in methods:
-        b = [by[(p, "before", m)] for p in pids]
-        a = [by[(p, "after", m)] for p in pids]
-        est = ratio_of_ratios([x["wall_s"] for x in b], [x["tokens"] for x in b],
-                              [x["wall_s"] for x in a], [x["tokens"] for x in a])
-        speed = {v: sum(x["tokens"] for x in xs) / sum(x["wall_s"] for x in xs) for v, xs in (("before", b), ("after", a))}
-        lines.append(f"- {m}: before {speed['before']:.2f} tok/s, after {speed['after']:.2f} tok/s; after / before "
-                     f"{est.point:.3f}x [{est.lo:.3f}, {est.hi:.3f}] over {est.n} prompts")
+        speed = {v: sum(by[(p, v, m)]["tokens"] for p in pids) / sum(by[(p, v, m)]["wall_s"] for p in pids)
+                 for v in versions}
+        est = ratio(m, "after", "before")
+        line = (f"- {m}: before {speed['before']:.2f} tok/s, after {speed['after']:.2f} tok/s; after / before "
+                f"{est.point:.3f}x [{est.lo:.3f}, {est.hi:.3f}] over {est.n} prompts")
+        if "after#2" in versions:
+            noise = ratio(m, "after#2", "after")
+            line += f"; noise (after#2 / after) {noise.point:.3f}x [{noise.lo:.3f}, {noise.hi:.3f}]"
+        lines.append(line)
     lines.append(f"- commit {env['commit']} (dirty: {env['dirty']})")
     return "\n".join(lines)
 
