@@ -67,6 +67,7 @@ def test_streaming_stop_strings_and_records(smollm2_engine):
     cut = engine.generate(PROMPTS[1], "pld", max_new_tokens=64, stop=(stop,))
     assert cut.text == full[: full.find(stop)]
     assert cut.token_ids == stream.result.token_ids[: len(cut.token_ids)]
+    assert cut.finish_reason == "stop" and cut.stats.new_tokens == len(cut.token_ids)
     rec = cut.to_record()
     assert rec["config"]["method"] == "pld" and rec["stats"]["mat"] >= 1.0
     assert rec["config"]["drafter"] == {"method": "pld", "max_ngram": 3}

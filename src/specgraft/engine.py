@@ -304,9 +304,10 @@ class Engine:
         if req.text is not None:
             piece, hit = req.text.update(req.output, final=req.finish_reason is not None)
             if hit is not None:
-                drop = len(req.output) - hit
+                drop = len(req.output) - hit  # tokens past the stop string, all from this step
                 req.output = req.output[:hit]
-                new = new[: max(0, len(new) - drop)]
+                req.stats.new_tokens -= drop
+                new = new[: len(new) - drop]
                 req.finish_reason = "stop"
         if req.finish_reason is None:
             outs.append(RequestOutput(req.id, new, piece))
