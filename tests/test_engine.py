@@ -113,6 +113,18 @@ def exact_ar_joint(model, prompt: list[int], params: SamplingParams, vocab: int)
     return exact
 
 
+SAMPLING_VOCAB, SAMPLING_PROMPT = 6, [1, 2, 3, 1, 2]
+SAMPLING_PARAMS = SamplingParams(temperature=0.9, top_k=5, seed=0)
+
+
+def sampling_problem(layers: int = 2):
+    """The loop-level sampling tests' set-up: a sharp tiny target, its exact AR joint of the first three
+    tokens, and a backend; returns ``(target, exact, backend)``."""
+    target = tiny_llama(vocab=SAMPLING_VOCAB, layers=layers, scale=3.0, seed=3)
+    exact = exact_ar_joint(target, SAMPLING_PROMPT, SAMPLING_PARAMS, SAMPLING_VOCAB)
+    return target, exact, TargetBackend(target)
+
+
 @with_negative_control
 def test_sampling_through_the_loop_matches_ar_enumeration(broken, monkeypatch):
     """Tokens 2-3 come from one tree step; their joint (given token 1) must equal AR's exact one (and a

@@ -10,7 +10,8 @@ from specgraft.core.sampling import SamplingParams
 
 from ..conftest import tiny_llama
 from ..stattest import N_NEGATIVE, check_loop, with_negative_control
-from ..test_engine import exact_ar_joint, run, sample_counts
+from ..test_engine import (SAMPLING_PARAMS, SAMPLING_PROMPT, SAMPLING_VOCAB, run, sample_counts,
+                           sampling_problem)
 
 
 def test_greedy_equality_and_acceptance():
@@ -29,12 +30,8 @@ def test_greedy_equality_and_acceptance():
 
 @with_negative_control
 def test_chain_sampling_through_the_loop_matches_ar(broken, monkeypatch):
-    vocab = 6
-    target = tiny_llama(vocab=vocab, scale=3.0, seed=3)
-    params = SamplingParams(temperature=0.9, top_k=5, seed=0)
-    prompt = [1, 2, 3, 1, 2]
-    exact = exact_ar_joint(target, prompt, params, vocab)
-    backend = TargetBackend(target)
+    vocab, prompt, params = SAMPLING_VOCAB, SAMPLING_PROMPT, SAMPLING_PARAMS
+    target, exact, backend = sampling_problem()
     drafter = make_drafter("draft", vocab, model=tiny_llama(vocab=vocab, scale=3.0, seed=11))
     check_loop(monkeypatch, broken, lambda n: sample_counts(backend, drafter, prompt, params, 3, n), exact,
                N_NEGATIVE if broken else 5000, "draft chain")

@@ -11,7 +11,8 @@ from specgraft.eagle.training.ttt import unroll
 
 from ..conftest import tiny_llama
 from ..stattest import N_NEGATIVE, check_loop, with_negative_control
-from ..test_engine import exact_ar_joint, run, sample_counts
+from ..test_engine import (SAMPLING_PARAMS, SAMPLING_PROMPT, SAMPLING_VOCAB, run, sample_counts,
+                           sampling_problem)
 
 
 def random_head(target, draft_ids, intermediate=48, seed=1) -> Eagle3Head:
@@ -92,12 +93,8 @@ def test_eagle_greedy_equality_and_budget():
 
 @with_negative_control
 def test_eagle_sampling_through_the_loop_matches_ar(broken, monkeypatch):
-    vocab = 6
-    target = tiny_llama(vocab=vocab, layers=4, scale=3.0, seed=3)
-    params = SamplingParams(temperature=0.9, top_k=5, seed=0)
-    prompt = [1, 2, 3, 1, 2]
-    exact = exact_ar_joint(target, prompt, params, vocab)
-    backend = TargetBackend(target)
+    vocab, prompt, params = SAMPLING_VOCAB, SAMPLING_PROMPT, SAMPLING_PARAMS
+    target, exact, backend = sampling_problem(4)
     drafter = make_drafter("eagle", vocab, target=target, head=random_head(target, [0, 1, 2, 4], seed=4), top_k=2,
                            depth=2)
     check_loop(monkeypatch, broken, lambda n: sample_counts(backend, drafter, prompt, params, 5, n), exact,

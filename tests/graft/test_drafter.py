@@ -13,7 +13,8 @@ from specgraft.core.sampling import SamplingParams
 
 from ..conftest import tiny_llama
 from ..stattest import N_NEGATIVE, check_loop, with_negative_control
-from ..test_engine import exact_ar_joint, run, sample_counts
+from ..test_engine import (SAMPLING_PARAMS, SAMPLING_PROMPT, SAMPLING_VOCAB, run, sample_counts,
+                           sampling_problem)
 from ..eagle.test_head import random_head
 
 
@@ -101,12 +102,8 @@ def test_tail_fills_the_chain_from_the_matrix_and_equals_ar():
 
 @with_negative_control
 def test_graft_tree_sampling_through_the_loop_matches_ar(broken, monkeypatch):
-    vocab = 6
-    target = tiny_llama(vocab=vocab, layers=4, scale=3.0, seed=3)
-    params = SamplingParams(temperature=0.9, top_k=5, seed=0)
-    prompt = [1, 2, 3, 1, 2]
-    exact = exact_ar_joint(target, prompt, params, vocab)
-    backend = TargetBackend(target)
+    vocab, prompt, params = SAMPLING_VOCAB, SAMPLING_PROMPT, SAMPLING_PARAMS
+    target, exact, backend = sampling_problem(4)
     inner = make_drafter("eagle", vocab, target=target, head=random_head(target, [0, 1, 2, 4], seed=4), top_k=2,
                          depth=3)
     d = GraftDrafter(inner, vocab, "graft", SparseGate((0.9, 0.9, 0.9)))  # hybrid trees at every step
@@ -118,12 +115,8 @@ def test_graft_tree_sampling_through_the_loop_matches_ar(broken, monkeypatch):
 
 @with_negative_control
 def test_tail_chain_sampling_matches_ar(broken, monkeypatch):
-    vocab = 6
-    target = tiny_llama(vocab=vocab, scale=3.0, seed=3)
-    params = SamplingParams(temperature=0.9, top_k=5, seed=0)
-    prompt = [1, 2, 3, 1, 2]
-    exact = exact_ar_joint(target, prompt, params, vocab)
-    backend = TargetBackend(target)
+    vocab, prompt, params = SAMPLING_VOCAB, SAMPLING_PROMPT, SAMPLING_PARAMS
+    target, exact, backend = sampling_problem()
     inner = make_drafter("draft", vocab, model=tiny_llama(vocab=vocab, scale=3.0, seed=11))
     # A loose tau keeps 1-3 sampled draft tokens, then a one-hot retrieved tail: the stop must not look at
     # the token it would draw (a rule that did made P(first token) .42 instead of .30 in a two-token example).
