@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .core.drafter import Drafter, NoDraft
-from .core.sampling import SamplingParams
+from .core.sampling import TRUNCATION_KEYS, SamplingParams
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.pld import PromptLookup
 from .drafters.recycling import TokenRecycling
@@ -42,8 +42,7 @@ DEFAULTS: dict[str, dict] = {
 METHODS = tuple(DEFAULTS)
 # Per-request keys a benchmark method entry may carry besides the method's options: the verification rule,
 # the truncation-sampling settings the rule is compared against, and a label for repeated configurations.
-SAMPLING_KEYS = ("min_p", "eta")
-LOOP_KEYS = ("verify", *SAMPLING_KEYS, "label")
+LOOP_KEYS = ("verify", *TRUNCATION_KEYS, "label")
 
 
 def check_options(method: str, options, extra: tuple[str, ...] = ()) -> None:

@@ -16,6 +16,11 @@ import torch
 from ..errors import SpecgraftError
 
 
+# Truncation-sampling settings: part of the target distribution a lossless method must match, and the
+# parameters the lossy rules' correct baselines use.
+TRUNCATION_KEYS = ("min_p", "eta")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """``temperature == 0`` means greedy. ``top_k == 0``, ``top_p == 1``, ``min_p == 0`` and ``eta == 0``
@@ -40,7 +45,7 @@ class SamplingParams:
             raise SpecgraftError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise SpecgraftError(f"seed must be a non-negative integer, got {self.seed!r}")
-        for name in ("min_p", "eta"):
+        for name in TRUNCATION_KEYS:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0.0 <= v <= 1.0):
                 raise SpecgraftError(f"{name} must be in [0, 1] (0 = off), got {v!r}")

@@ -19,12 +19,12 @@ import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..core.sampling import SamplingParams
+from ..core.sampling import TRUNCATION_KEYS, SamplingParams
 from ..engine import Engine
 from ..env import environment
 from ..errors import SpecgraftError
 from ..lossy.rules import parse_rule
-from ..registry import LOOP_KEYS, SAMPLING_KEYS, check_lossy, check_options
+from ..registry import LOOP_KEYS, check_lossy, check_options
 from .datasets import Item, load_dataset
 from .quality import score
 
@@ -104,7 +104,7 @@ def expand_methods(entries: list[dict], add_ar: bool = True) -> list[MethodSpec]
             custom = opts.pop("label", None)
             label = custom or name + (":" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else "")
             verify = opts.pop("verify", "lossless")
-            samp = {k: opts.pop(k) for k in SAMPLING_KEYS if k in opts}
+            samp = {k: opts.pop(k) for k in TRUNCATION_KEYS if k in opts}
             specs.append(MethodSpec(label, name, opts, verify, samp))
     if add_ar and not any(s.method == "ar" for s in specs):
         specs.insert(0, MethodSpec("ar", "ar", {}))

@@ -14,11 +14,11 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..core.stats import mean_accepted_tokens
-from ..registry import SAMPLING_KEYS
+from ..core.sampling import TRUNCATION_KEYS
 from .rules import parse_rule
 
 
-_LOOP = ("verify", *SAMPLING_KEYS)
+_LOOP = ("verify", *TRUNCATION_KEYS)
 
 
 def _options(label: str) -> tuple:
