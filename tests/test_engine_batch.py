@@ -169,3 +169,25 @@ def test_batch_sampling_matches_ar(broken, monkeypatch):
 
     n = N_NEGATIVE if broken else 4000
     check_loop(monkeypatch, broken, sample, exact, n, "batch")
+
+
+def test_a_request_whose_drafter_fails_to_start_leaves_no_row():
+    target = tiny_llama(vocab=16, layers=2, scale=4.0)
+    engine = token_engine(target)
+    keep = engine.add_request(PROMPTS[0], drafter=make_drafter("recycle", 16), max_new_tokens=20, budget=6)
+
+    class Broken:
+        name, needs_prefill_logits, hidden_layers, forward_s = "broken", False, (), 0.0
+
+        def start(self, *a):
+            raise RuntimeError("cannot start")
+
+    try:
+        engine.add_request(PROMPTS[1], drafter=Broken(), max_new_tokens=20)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("the failing start was swallowed")
+    assert engine.backend.rows == len(engine.active) == 1
+    solo = decode(target, make_drafter("recycle", 16), PROMPTS[0], SamplingParams(), 20, 6).token_ids
+    assert engine.run()[keep].token_ids == solo

@@ -226,7 +226,12 @@ class Engine:
         pre = self.backend.add(torch.tensor(req.prompt_ids, dtype=torch.long), d.needs_prefill_logits,
                                d.hidden_layers)
         self.active.append(req)
-        d.start(req.prompt_ids, pre.logits if d.needs_prefill_logits else None, pre.hidden)
+        try:
+            d.start(req.prompt_ids, pre.logits if d.needs_prefill_logits else None, pre.hidden)
+        except Exception:  # a drafter that cannot start must not leave a row behind for the other requests
+            self.backend.remove(len(self.active) - 1)
+            self.active.pop()
+            raise
         req.gen = make_generator(req.params.seed)
         tok = first_token(pre.logits[-1], req.params, req.gen)
         req.stats.prefill_s += clock() - t0
