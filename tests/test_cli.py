@@ -1,15 +1,26 @@
 """Bad input gets one line on stderr and a non-zero exit, never a traceback."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 
-def cli(*args, timeout=300):
+def cli(*args, timeout=300, env=None):
     return subprocess.run([sys.executable, "-m", "specgraft", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture
+def own_cache(tmp_path, smollm2_engine):
+    """An environment whose latency / auto caches are fresh (the converted models are shared, not copied)."""
+    from specgraft.models import cache_root
+
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "models").symlink_to(cache_root() / "models")
+    return {**os.environ, "SPECGRAFT_CACHE": str(tmp_path / "cache")}
 
 
 @pytest.mark.parametrize("args, message", [
@@ -33,7 +44,12 @@ def cli(*args, timeout=300):
     (["generate", "hi", "--method", "prune", "--opt", "policy=foo"], "unknown pruning policy 'foo'"),
     (["generate", "hi", "--method", "graft", "--opt", "calibration=/no/cal"], "no calibration in /no/cal"),
     (["generate", "hi", "--budget", "many"], "--budget must be an integer or 'auto'"),
-    (["generate", "hi", "--budget", "auto"], "--budget auto needs a tree method"),
+    (["generate", "hi", "--method", "ar", "--budget", "auto"], "--budget auto needs a tree method"),
+    (["generate", "hi", "--budget", "5"], "--budget needs an explicit --method (auto chooses its own)"),
+    (["generate", "hi", "--opt", "k=4", "--head", "h"], "--head / --opt need an explicit --method"),
+    (["generate", "hi", "--verify", "lossy:lenience:0.5", "--temperature", "0.7"],
+     "--method auto chooses among lossless methods only"),
+    (["generate", "hi", "--method", "ar", "--compare"], "--compare compares a speculative method with AR"),
     (["calibrate", "--drafter", "nope"], "unknown drafter 'nope'"),
     (["calibrate", "--rho", "1.5"], "--rho must be in (0, 1)"),
     (["calibrate", "--rounds", "0"], "--rounds + --extra must be at least 1"),
@@ -43,7 +59,8 @@ def cli(*args, timeout=300):
     (["generate", "hi", "--verify", "lossy:cos:0.5", "--method", "eagle", "--temperature", "0.7"],
      "needs draft probabilities"),
     (["generate", "hi", "--verify", "lossy:lenience:1.5", "--temperature", "0.7"], "l must be in (0, 1]"),
-    (["generate", "hi", "--verify", "lossy:lenience:0.5", "--temperature", "0.7"], "needs a speculative method"),
+    (["generate", "hi", "--verify", "lossy:lenience:0.5", "--temperature", "0.7", "--method", "ar"],
+     "needs a speculative method"),
     (["generate", "hi", "--min-p", "1.2", "--temperature", "0.7"], "min_p must be in [0, 1]"),
     (["bench", "--methods", "draft:verify=lossy:cap:0.2", "--prompts", "humaneval"], "needs sampling"),
     (["bench", "--methods", "eagle:verify=lossy:interp:0.2", "--temperature", "0.7"], "needs draft probabilities"),
@@ -84,6 +101,36 @@ def test_generate_streams_then_stats_line(smollm2_engine):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
     assert "[recycle]" in r.stderr and "MAT" in r.stderr
+
+
+@pytest.mark.slow
+def test_generate_auto_prints_its_choice_and_records_it(own_cache):
+    r = cli("generate", "Say hello.", "--max-new-tokens", "8", "--json", env=own_cache)
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stderr.splitlines() if x.startswith("method auto: "))
+    rec = json.loads(r.stdout)
+    choice = rec["config"]["auto"]
+    assert choice["method"] == rec["config"]["method"] and f"(budget {choice['budget']}) — " in line
+    assert choice["table"][0]["method"] == "ar" and len(choice["table"]) >= 3  # AR, graft, eagle
+
+
+@pytest.mark.slow
+def test_compare_prints_both_speeds_ratio_and_equal_greedy_texts(own_cache):
+    r = cli("generate", "Name three colours.", "--method", "graft", "--budget", "7", "--compare", "--dtype",
+            "float32", "--max-new-tokens", "16", env=own_cache)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "legend:" in out and "ar: " in out and "graft (budget 7): " in out and out.count(" tok/s, MAT ") == 2
+    assert "speed ratio graft / ar: " in out and "texts identical" in out
+    r = cli("generate", "Name three colours.", "--compare", "--json", "--dtype", "float32", "--max-new-tokens",
+            "16", env=own_cache)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    ar, sd = got["ar"], got["method"]
+    assert ar["config"]["method"] == "ar" and sd["config"]["method"] != "ar" and got["auto"]["table"]
+    assert got["identical"] and ar["token_ids"] == sd["token_ids"] and ar["text"] == sd["text"]
+    ratio = sd["stats"]["tokens_per_s"] / ar["stats"]["tokens_per_s"]
+    assert got["speed_ratio"] == pytest.approx(ratio, rel=1e-2)
 
 
 @pytest.mark.slow

@@ -191,3 +191,50 @@ def test_a_request_whose_drafter_fails_to_start_leaves_no_row():
     assert engine.backend.rows == len(engine.active) == 1
     solo = decode(target, make_drafter("recycle", 16), PROMPTS[0], SamplingParams(), 20, 6).token_ids
     assert engine.run()[keep].token_ids == solo
+
+
+def test_a_drafter_that_raises_mid_flight_ends_only_its_own_request():
+    """propose or observe raising: that request finishes with reason "error" (and its row is freed); the
+    others go on and still equal their solo outputs."""
+    target = tiny_llama(vocab=16, layers=2, scale=4.0)
+    engine = token_engine(target)
+    keep = engine.add_request(PROMPTS[0], drafter=make_drafter("recycle", 16), max_new_tokens=20, budget=6)
+    bad = {}
+    for where in ("propose", "observe"):
+        d = make_drafter("pld", 16)
+        calls = {"n": 0}
+        real = getattr(d, where)
+
+        def flaky(*a, _real=real, _calls=calls, _where=where):
+            _calls["n"] += 1
+            if _calls["n"] == 3:
+                raise ValueError(f"{_where} broke")
+            return _real(*a)
+
+        setattr(d, where, flaky)
+        bad[engine.add_request(PROMPTS[1], drafter=d, max_new_tokens=20, budget=4)] = where
+    finals = {o.request_id: o for o in engine.outputs() if o.finished}
+    for rid, where in bad.items():
+        assert finals[rid].result.finish_reason == "error" and f"{where} broke" in finals[rid].error
+    solo = decode(target, make_drafter("recycle", 16), PROMPTS[0], SamplingParams(), 20, 6).token_ids
+    assert finals[keep].result.token_ids == solo and engine.backend.rows == 0
+
+
+def test_step_outputs_label_every_token_with_its_source(tiny_engine):
+    """The first token comes from the prefill, a step's last from the target (bonus), the rest from the drafter;
+    ``segments`` re-split each output's text by source and always join back to it."""
+    engine = tiny_engine
+    for method in ("ar", "recycle", "pld"):
+        rid = engine.add_request("Say something long and repetitive please.", method, max_new_tokens=40,
+                                 stop=("zzz",))
+        outs = [o for o in engine.outputs() if o.request_id == rid]
+        assert outs[0].sources == ["prefill"]
+        for o in outs[1:]:
+            assert len(o.sources) == len(o.token_ids) and o.accepted <= o.draft_tokens
+            if o.token_ids and not o.finished:
+                assert o.sources[-1] == "bonus" and len(o.token_ids) == o.accepted + 1
+            assert set(o.sources[:-1]) <= ({"retrieval"} if method != "ar" else set())
+            assert "".join(t for t, _ in o.segments) == o.text
+        if method != "ar":
+            assert any("retrieval" in o.sources for o in outs)
+        assert "".join(o.text for o in outs) == outs[-1].result.text

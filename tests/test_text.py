@@ -39,3 +39,15 @@ def test_incomplete_characters_are_held_until_complete_or_final():
     assert piece == "xy"
     piece, _ = state.update([0, 1, 99], final=True)
     assert piece == "\ufffd" and state.text == "xy\ufffd"  # the end flushes whatever is left
+
+
+def test_segments_split_each_piece_by_token_source_across_held_back_text():
+    state = TextState(CharTokenizer("abcdef"), ("ff",))  # holds back one character
+    out = [0, 1, 2]
+    piece, _ = state.update(out, sources=["prefill", "head", "bonus"])
+    assert piece == "ab" and state.segments(piece) == [("a", "prefill"), ("b", "head")]
+    out += [3, 4]
+    piece, _ = state.update(out, sources=["retrieval", "bonus"])
+    assert piece == "cd" and state.segments(piece) == [("c", "bonus"), ("d", "retrieval")]
+    piece, _ = state.update(out, final=True, sources=[])
+    assert state.segments(piece) == [("e", "bonus")]

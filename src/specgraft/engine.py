@@ -23,7 +23,7 @@ from .core.backend import TargetBackend
 from .core.drafter import DraftContext, Drafter
 from .core.sampling import SamplingParams, make_generator, target_probs
 from .core.stats import Stats
-from .core.tree import Tree
+from .core.tree import SOURCE_DRAFT, SOURCE_PLD, SOURCE_RETRIEVAL, Tree
 from .core.verify import Verdict, verify_tree
 from .errors import SpecgraftError
 from .graft.autotune import auto_budget
@@ -57,22 +57,38 @@ class Generation:
     prompt_ids: list[int]
     stats: Stats
     config: dict = field(default_factory=dict)
-    finish_reason: str = "length"  # eos | stop | length | abort
+    finish_reason: str = "length"  # eos | stop | length | abort | error
 
     def to_record(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": len(self.prompt_ids),
                 "config": self.config, "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
 
 
+# Where each emitted token came from (the playground's colours, the server's by-source metrics): the first
+# token comes from the prefill; a step's accepted candidates from the drafter's model (EAGLE head / draft model)
+# or from retrieval (the adjacency matrix, prompt lookup); its last token is the target's bonus token.
+TOKEN_SOURCES = ("prefill", "head", "retrieval", "bonus")
+_LABEL = {SOURCE_DRAFT: "head", SOURCE_RETRIEVAL: "retrieval", SOURCE_PLD: "retrieval"}
+
+
 @dataclass
 class RequestOutput:
-    """What one step did for one request: its new tokens and text, and the result once it finished."""
+    """What one step did for one request: its new tokens and text, and the result once it finished.
+
+    ``sources[i]`` labels ``token_ids[i]`` (one of TOKEN_SOURCES). ``draft_tokens`` / ``accepted`` are this step's
+    verified candidates and how many of them were accepted (before an EOS or length cut); 0 outside a step.
+    ``error`` is set when this request's drafter failed: the request alone ends (finish_reason "error")."""
 
     request_id: int
     token_ids: list[int]
     text: str
     finished: bool = False
     result: Generation | None = None
+    sources: list[str] = field(default_factory=list)
+    segments: list[tuple[str, str]] = field(default_factory=list)  # ``text`` as (run, source); "".join == text
+    draft_tokens: int = 0
+    accepted: int = 0
+    error: str | None = None
 
 
 VerifyFn = Callable[[Tree, torch.Tensor, SamplingParams, torch.Generator], Verdict]
@@ -130,6 +146,8 @@ class Engine:
         self._ids = itertools.count()
         self.backlog: list[RequestOutput] = []  # other requests' outputs met while driving one stream
         self.totals = Stats("engine")  # engine-wide: steps, target forward, drafting, step wall time
+        # The scheduler's say (serve/policy.py): (request, batch size) -> this step's budget, at most the request's.
+        self.budget_policy: Callable[[Request, int], int] | None = None
 
     # -- set-up -------------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
@@ -236,7 +254,7 @@ class Engine:
         tok = first_token(pre.logits[-1], req.params, req.gen)
         req.stats.prefill_s += clock() - t0
         req.ids = [*req.prompt_ids]
-        self._emit(req, [tok], self._done)
+        self._emit(req, [tok], ["prefill"], self._done)
 
     def abort(self, request_id: int) -> bool:
         """Stop a request now and free its cache row; its final output comes out of the next :meth:`step`.
@@ -248,23 +266,38 @@ class Engine:
         self._done.append(self._finish(req))
         return True
 
+    def pending(self) -> list[RequestOutput]:
+        """Outputs produced since the last step (first tokens from prefills, aborts), without stepping: a server
+        sends a new request's first token as soon as its prefill ends, not with the next step's tokens."""
+        outs, self._done = self._done, []
+        return outs
+
     def has_unfinished(self) -> bool:
         return bool(self.active or self._done)
 
     def step(self) -> list[RequestOutput]:
         """Outputs since the last call (prefills, aborts), then one verification step for every active
         request. Finished requests leave the batch."""
-        outs, self._done = self._done, []
+        outs = self.pending()
         if not self.active:
             return outs
         t0 = clock()
         trees, draft_s = [], 0.0
         fwd0 = sum(r.drafter.forward_s for r in self.active)
-        for r in self.active:
+        batch = len(self.active)
+        for r in list(self.active):
             t = clock()
-            trees.append(r.drafter.propose(DraftContext(r.ids, r.budget, r.params)))
+            budget = r.budget if self.budget_policy is None else min(r.budget, self.budget_policy(r, batch))
+            try:
+                tree = r.drafter.propose(DraftContext(r.ids, budget, r.params))
+            except Exception as err:  # noqa: BLE001 -- one request's drafter failing ends that request only
+                self._fail(r, err, outs)
+                continue
+            trees.append(tree)
             r.stats.draft_s += clock() - t
             draft_s += clock() - t
+        if not self.active:
+            return outs
         t1 = clock()
         layers = tuple(sorted({h for r in self.active for h in r.drafter.hidden_layers}))
         results = self.backend.verify_batch(trees, layers)
@@ -279,15 +312,22 @@ class Engine:
         for r, tree, res, v in zip(list(self.active), trees, results, verdicts):
             t = clock()
             hidden = {h: res.hidden[h] for h in r.drafter.hidden_layers} if r.drafter.hidden_layers else None
-            r.drafter.observe(tree, res.logits, v, hidden)
+            failed = None
+            try:
+                r.drafter.observe(tree, res.logits, v, hidden)
+            except Exception as err:  # noqa: BLE001 -- the step's tokens are still correct; the request ends
+                failed = err
             r.stats.draft_s += clock() - t
             draft_s += clock() - t
             fwd1 += r.drafter.forward_s
             new = cut_at_eos(tree.tokens[v.accepted[1:]].tolist() + [v.bonus], self.eos_ids, r.room)
+            src = [_LABEL.get(int(tree.source[n]), "head") for n in v.accepted[1:]] + ["bonus"]
             kids = tree.children
             r.stats.record_step(v.accept_length, [bool(kids[n]) for n in v.accepted], len(new), tree.size - 1)
             r.stats.verify_s += forward
-            self._emit(r, new, outs)
+            self._emit(r, new, src[: len(new)], outs, tree.size - 1, len(v.accepted) - 1)
+            if failed is not None and r in self.active:
+                self._fail(r, failed, outs)
         tot = self.totals
         tot.steps += 1
         tot.verify_s += forward
@@ -296,7 +336,14 @@ class Engine:
         tot.total_s += clock() - t0
         return outs
 
-    def _emit(self, req: Request, new: list[int], outs: list[RequestOutput]) -> None:
+    def _fail(self, req: Request, err: Exception, outs: list[RequestOutput]) -> None:
+        req.finish_reason = "error"
+        final = self._finish(req)
+        final.error = f"{type(err).__name__}: {err}"
+        outs.append(final)
+
+    def _emit(self, req: Request, new: list[int], sources: list[str], outs: list[RequestOutput], drafted: int = 0,
+              accepted: int = 0) -> None:
         """Append a step's tokens; detect EOS, stop strings and length; finished requests leave."""
         req.output.extend(new)
         req.ids.extend(new)
@@ -307,18 +354,21 @@ class Engine:
         elif req.room <= 0:
             req.finish_reason = "length"
         if req.text is not None:
-            piece, hit = req.text.update(req.output, final=req.finish_reason is not None)
+            piece, hit = req.text.update(req.output, final=req.finish_reason is not None, sources=sources)
             if hit is not None:
                 drop = len(req.output) - hit  # tokens past the stop string, all from this step
                 req.output = req.output[:hit]
                 req.stats.new_tokens -= drop
-                new = new[: len(new) - drop]
+                new, sources = new[: len(new) - drop], sources[: len(new) - drop]
                 req.finish_reason = "stop"
+        segments = req.text.segments(piece) if piece else []
         if req.finish_reason is None:
-            outs.append(RequestOutput(req.id, new, piece))
+            outs.append(RequestOutput(req.id, new, piece, sources=sources, segments=segments, draft_tokens=drafted,
+                                      accepted=accepted))
             return
         final = self._finish(req)
-        final.token_ids, final.text = new, piece
+        final.token_ids, final.text, final.sources, final.segments = new, piece, sources, segments
+        final.draft_tokens, final.accepted = drafted, accepted
         outs.append(final)
 
     def _finish(self, req: Request) -> RequestOutput:
@@ -369,6 +419,8 @@ class Engine:
                 if o.text:
                     yield o.text
                 if o.finished:
+                    if o.error is not None:  # this request's drafter raised: a bug, not bad input
+                        raise RuntimeError(f"request {req.id} failed: {o.error}")
                     stream.result = o.result
                     return
 

@@ -3,6 +3,10 @@
 A step may commit several tokens, and a stop string may straddle two steps, so the last
 ``len(longest stop) - 1`` characters are held back until the next step (or the end) shows they are not the
 start of a stop string; a piece that ends inside a multi-byte character (``\\ufffd``) is held back too.
+
+Each token's source (engine.TOKEN_SOURCES) is kept with the character offset where its text ends, so any
+emitted piece splits into runs of one source each (:meth:`TextState.segments`): the playground and
+``generate --compare`` colour text by where each token came from, even across held-back characters.
 """
 
 from __future__ import annotations
@@ -14,13 +18,23 @@ class TextState:
         self.hold = max((len(x) for x in stop), default=1) - 1
         self.full = ""  # the text of every token so far (cut at a stop string)
         self.text = ""  # what was emitted
+        self.sources: list[str] = []  # per output token
+        self.ends: list[int] = []  # per output token: len(decode(output[:i + 1]))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def update(self, output: list[int], final: bool = False) -> tuple[str, int | None]:
+    def update(self, output: list[int], final: bool = False, sources: list[str] | None = None
+               ) -> tuple[str, int | None]:
         """The new text piece after ``output`` grew, and, when a stop string appeared, the number of tokens to
-        keep: the shortest prefix of ``output`` whose text contains it (a step may overshoot it)."""
+        keep: the shortest prefix of ``output`` whose text contains it (a step may overshoot it). ``sources``
+        labels the new tokens (for :meth:`segments`)."""
+        if sources is not None:
+            first = len(output) - len(sources)
+            for i, src in enumerate(sources):
+                end = len(self.decode(output[: first + i + 1]))
+                self.ends.append(max(end, self.ends[-1] if self.ends else 0))
+                self.sources.append(src)
         self.full = self.decode(output)
         hit = min((self.full.find(x) for x in self.stop if x in self.full), default=-1)
         if hit >= 0:
@@ -39,3 +53,21 @@ class TextState:
     def flush(self) -> str:
         piece, self.text = self.full[len(self.text):], self.full
         return piece
+
+    def segments(self, piece: str) -> list[tuple[str, str]]:
+        """``piece`` (the text just emitted, the tail of ``self.text``) as ``(text, source)`` runs; their
+        concatenation is ``piece``. Characters past the last known token end take the last token's source."""
+        start, stop = len(self.text) - len(piece), len(self.text)
+        runs: list[tuple[str, str]] = []
+
+        def add(a: int, b: int, src: str) -> None:
+            if a < b:
+                runs[-1:] = [(runs[-1][0] + self.text[a:b], src)] if runs and runs[-1][1] == src else \
+                    [*runs[-1:], (self.text[a:b], src)]
+
+        lo = 0
+        for src, end in zip(self.sources, self.ends):
+            add(max(lo, start), min(end, stop), src)
+            lo = end
+        add(max(lo, start), stop, self.sources[-1] if self.sources else "bonus")
+        return runs

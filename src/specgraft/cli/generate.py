@@ -10,7 +10,7 @@ import typer
 
 from ..errors import SpecgraftError
 from ..models import DEFAULT_MODEL, REGISTRY
-from ..registry import METHODS, check_options
+from ..registry import METHODS
 from .app import DEFAULTS_HELP, app, quiet_transformers
 
 
@@ -27,7 +27,13 @@ def _method_options(method: str, pld_max_ngram, recycle_k, recycle_scope, draft_
 def generate(
     prompt: str = typer.Argument(..., help="The user message (wrapped in the model's chat template)."),
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=f"{', '.join(REGISTRY)} or a local HF directory."),
-    method: str = typer.Option("ar", help=f"One of {', '.join(METHODS)}. Defaults per method: {DEFAULTS_HELP}."),
+    method: str = typer.Option("auto", help=f"auto (default: the fastest lossless method predicted for this model "
+                               "and machine from its measured verify latency and the shipped calibration; --budget, "
+                               f"--opt and method flags need an explicit method) or one of {', '.join(METHODS)}. "
+                               f"Defaults per method: {DEFAULTS_HELP}."),
+    compare: bool = typer.Option(False, "--compare", help="Run AR and the method (auto's choice, or the one given) on "
+                                 "the same prompt after a short warm-up; print both texts coloured by token source, "
+                                 "tokens/s, MAT and the speed ratio (with --json: one object holding both records)."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_p: float = typer.Option(1.0, help="Nucleus filter (1 = off)."),
     top_k: int = typer.Option(0, help="Top-k filter (0 = off)."),
@@ -59,17 +65,25 @@ def generate(
     cache_dir: Optional[str] = typer.Option(None, help="Where converted models live (default: user cache)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON record instead of streaming text."),
 ) -> None:
-    """Generate a reply, streaming text, then print one statistics line (to stderr)."""
+    """Generate a reply, streaming text, then print one statistics line (to stderr). --method auto (default)
+    first prints its choice and why (stderr); --compare runs AR beside the method."""
+    from ..auto import resolve
     from ..engine import Engine
     from ..core.sampling import SamplingParams
+    from .compare import compare as run_compare
 
     from ..lossy.rules import parse_rule
     from ..registry import check_lossy
 
     sampling = SamplingParams(temperature, top_k, top_p, seed, min_p, eta)
+    auto = method == "auto"
+    flags = {"--pld-max-ngram": pld_max_ngram, "--recycle-k": recycle_k, "--recycle-scope": recycle_scope,
+             "--draft-model": draft_model, "--draft-shape": draft_shape, "--draft-top-k": draft_top_k,
+             "--draft-depth": draft_depth, "--head": head, "--eagle-top-k": eagle_top_k, "--eagle-depth": eagle_depth}
     opts = _method_options(method, pld_max_ngram, recycle_k, recycle_scope, draft_model, draft_shape, draft_top_k,
                            draft_depth, head, eagle_top_k, eagle_depth)
-    check_options(method, {})
+    if not auto and method not in METHODS:
+        raise SpecgraftError(f"unknown method '{method}'; choose auto (the default) or one of: {', '.join(METHODS)}")
     from ..eval.harness import parse_method
 
     extra = {k: v for o in opt for k, v in parse_method("x:" + o).items() if k != "name"}
@@ -81,18 +95,42 @@ def generate(
             budget = int(budget)
         except ValueError:
             raise SpecgraftError(f"--budget must be an integer or 'auto', got '{budget}'") from None
+    given = [f for f, v in flags.items() if v is not None] + (["--opt"] if opt else []) + \
+        (["--budget"] if budget is not None else [])
+    if auto and given:  # auto picks method, budget and options together: half-overriding it is ambiguous
+        raise SpecgraftError(f"{' / '.join(given)} {'needs' if len(given) == 1 else 'need'} an explicit --method "
+                             "(auto chooses its own)")
     rule = parse_rule(verify)
     if rule.lossy:
+        if auto:
+            raise SpecgraftError(f"{rule.spec}: --method auto chooses among lossless methods only; name the method")
         check_lossy(rule, method, opts, sampling)
         print(f"warning: {rule.spec} is LOSSY: the output does not follow the target distribution", file=sys.stderr)
+    if compare and method in ("ar", "hf_assisted"):
+        raise SpecgraftError(f"--compare compares a speculative method with AR, not '{method}' (try --method auto)")
     quiet_transformers()
     engine = Engine(model, dtype, cache_dir)
+    choice = None
+    if auto:
+        engine.encode(prompt, chat)  # a bad prompt fails before any latency measurement
+        method, budget, opts, choice = resolve(engine, "auto")
+    # Validates the whole request (errors raise here; nothing runs until iterated), so a bad request prints
+    # one error line, not the auto choice first. --compare drives its own requests and drops this one.
     stream = engine.stream(prompt, method, sampling=sampling, max_new_tokens=max_new_tokens, stop=tuple(stop),
                            chat=chat, budget=budget, verify=rule, **opts)
+    if choice is not None:
+        print(f"method auto: {choice.describe()} — {choice.reason}", file=sys.stderr)
+    if compare:
+        run_compare(engine, prompt, method, budget, opts, choice, as_json, sampling, max_new_tokens, tuple(stop),
+                    chat, rule)
+        return
     if as_json:
         for _ in stream:
             pass
-        print(json.dumps(stream.result.to_record()))
+        record = stream.result.to_record()
+        if choice is not None:
+            record["config"]["auto"] = choice.to_dict()
+        print(json.dumps(record))
         return
     for piece in stream:
         sys.stdout.write(piece)

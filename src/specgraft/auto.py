@@ -1,0 +1,204 @@
+"""``--method auto``: the fastest lossless method predicted for this model, dtype and machine.
+
+    tokens/s(method, K) = MAT(K) / (draft_s + verify_s(K + 1))        AR: 1 / verify_s(1)
+
+- ``verify_s``: the target's measured, cached verify-latency curve (graft/autotune.py's ``latency_curve``).
+- ``MAT(K)``: replayed from the shipped calibration's accepted score ranks (autotune's ``choose_budget``).
+- ``draft_s``: the calibration's mean drafting time per step; for Graft scaled by the share of drafting passes
+  its calibrated gate lets run (the gate stops the drafter early on most steps).
+
+A speculative method is chosen only when it is predicted at least ``MARGIN`` faster than AR. The choice is
+cached next to the latency curve (per model, dtype, machine and torch build) and recomputed when the curve or
+a calibration file changes. In our words: docs/design.md §5.9.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import SpecgraftError
+from .graft.autotune import choose_budget, interpolate, latency_curve, machine_key
+from .graft.calibration import Calibration
+from .models import REGISTRY, cache_root, package_file
+from .registry import DEFAULTS, calibration_dir, shipped_head
+
+MARGIN = 1.05  # a speculative method must be predicted this much faster than AR
+VERSION = 1  # bump when the prediction changes: cached choices of older versions are recomputed
+
+
+@dataclass
+class AutoChoice:
+    method: str
+    budget: int | None
+    options: dict
+    reason: str
+    table: list[dict] = field(default_factory=list)  # every candidate's prediction, AR first
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        """``graft drafter=draft-tree (budget 31)``: what the CLI and server print."""
+        opts = "".join(f" {k}={v}" for k, v in self.options.items())
+        return f"{self.method}{opts} (budget {self.budget})"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    method: str
+    options: dict
+    drafter: str  # the calibration's drafter: eagle or draft-tree
+
+
+def candidates(model_name: str) -> list[tuple[Candidate, Path]]:
+    """The tree methods that can run on this model and have a calibration to predict them from."""
+    head = shipped_head(model_name) is not None
+    out = [(Candidate("graft", {}, "eagle"), head), (Candidate("eagle", {}, "eagle"), head),
+           (Candidate("graft", {"drafter": "draft-tree"}, "draft-tree"), None)]
+    found = []
+    for c, runnable in out:
+        path = calibration_dir({"drafter": c.drafter, "head": "auto"}, model_name)
+        if not (path / "calibration.json").exists():
+            continue
+        if runnable is None:  # the draft-model tree needs its draft model installed
+            runnable = _installed(DEFAULTS["graft"]["model"])
+        if runnable:
+            found.append((c, path))
+    return found
+
+
+def _installed(model: str) -> bool:
+    """Is a registry draft model available without downloading anything (converted copy or its packages)?"""
+    spec = REGISTRY.get(model)
+    if spec is None:
+        return False
+    if (cache_root() / "models" / model / "config.json").exists():
+        return True
+    try:
+        return all(package_file(req.split("==")[0], spec.suffix) is not None for req in spec.packages)
+    except SpecgraftError:
+        return False
+
+
+def below(fit: dict, tau: float) -> float:
+    """Share of calibration steps whose checkpoint confidence fell below ``tau``, read from the fit's equal-mass
+    bins (linear inside a bin; the last bin ends at 1). No fit: 0 (assume the gate never fires)."""
+    edges = fit.get("bin_lower_edges") or []
+    share = 0.0
+    for i, lo in enumerate(edges):
+        hi = edges[i + 1] if i + 1 < len(edges) else 1.0
+        if tau >= hi:
+            share += 1
+        elif tau > lo:
+            share += (tau - lo) / (hi - lo)
+    return share / len(edges) if edges else 0.0
+
+
+def gate_pass_share(cal: Calibration, depth: int) -> float:
+    """Expected drafting passes under the calibrated gate / passes of the full draft (1 + depth).
+
+    Confidences fall with depth, so "stopped by checkpoint i" is taken as nested: its probability is the
+    largest ``below`` over checkpoints up to i."""
+    fits = cal.meta.get("fits", {})
+    stopped, passes = 0.0, 0.0
+    for level, tau in zip(cal.checkpoints, cal.thresholds):
+        if level >= depth:
+            break
+        now = max(stopped, below(fits.get(str(level), {}), tau))
+        passes += (now - stopped) * (level + 1)
+        stopped = now
+    passes += (1 - stopped) * (depth + 1)
+    return passes / (depth + 1)
+
+
+def predict(c: Candidate, cal: Calibration, curve: dict[int, float]) -> dict:
+    """The candidate's best budget and its predicted MAT, step time and tokens/s."""
+    draft_s = float(cal.meta.get("draft_s_per_step", 0.0))
+    share = 1.0
+    if c.method == "graft":
+        depth = DEFAULTS["eagle" if c.drafter == "eagle" else "draft"]["depth"]
+        share = gate_pass_share(cal, depth)
+    max_budget = int(cal.meta.get("budget", 60))
+    budget, table = choose_budget(curve, cal.accepted_ranks, draft_s * share, max_budget)
+    row = next(r for r in table if r["budget"] == budget)
+    return {"method": c.method, "options": dict(c.options), "budget": budget, "mat": row["mat"],
+            "draft_s": round(draft_s * share, 5), "verify_s": round(row["step_s"] - draft_s * share, 5),
+            "tokens_per_s": round(row["tokens_per_s"], 3), "draft_pass_share": round(share, 3),
+            "calibration_dtype": cal.meta.get("dtype")}
+
+
+def decide(model_name: str, curve: dict[int, float], found: list[tuple[Candidate, Calibration]]) -> AutoChoice:
+    """Pure decision from a latency curve and loaded calibrations (the tests drive it with fake curves)."""
+    ar_tps = 1.0 / interpolate(curve, 1)
+    table = [{"method": "ar", "options": {}, "budget": 0, "mat": 1.0, "draft_s": 0.0,
+              "verify_s": round(1.0 / ar_tps, 5), "tokens_per_s": round(ar_tps, 3), "vs_ar": 1.0}]
+    for c, cal in found:
+        if not cal.accepted_ranks:
+            continue  # a calibration without acceptance data predicts nothing
+        row = predict(c, cal, curve)
+        row["vs_ar"] = round(row["tokens_per_s"] / ar_tps, 3)
+        table.append(row)
+    spec = sorted(table[1:], key=lambda r: -r["tokens_per_s"])
+    if not spec:
+        return AutoChoice("ar", 0, {}, f"AR: no calibrated speculative method ships for model '{model_name}' "
+                          "(calibrate one with `specgraft calibrate`)", table)
+    best = spec[0]
+    label = best["method"] + "".join(f" {k}={v}" for k, v in best["options"].items())
+    if best["tokens_per_s"] < MARGIN * ar_tps:
+        return AutoChoice("ar", 0, {}, f"AR: no speculative method is predicted to beat it on this machine by "
+                          f"{MARGIN - 1:.0%} (best: {label} budget {best['budget']}, predicted "
+                          f"{best['vs_ar']:.2f}x of AR's {ar_tps:.1f} tok/s)", table)
+    return AutoChoice(best["method"], best["budget"], dict(best["options"]),
+                      f"predicted {best['tokens_per_s']:.1f} tok/s vs AR {ar_tps:.1f} ({best['vs_ar']:.2f}x; "
+                      f"MAT {best['mat']:.2f}, {1000 * (best['draft_s'] + best['verify_s']):.0f} ms per step) "
+                      "from this machine's verify latency and the shipped calibration", table)
+
+
+def _cache_path(engine) -> Path:
+    return cache_root() / "latency" / f"{machine_key(engine.model_name, engine.dtype)}.auto.json"
+
+
+def _fingerprint(engine, paths: list[Path]) -> dict:
+    """What a cached choice depends on: the curve file and the calibrations (size, mtime)."""
+    stamp = lambda p: [p.stat().st_size, p.stat().st_mtime_ns] if p.exists() else None  # noqa: E731
+    curve = cache_root() / "latency" / f"{machine_key(engine.model_name, engine.dtype)}.json"
+    return {"version": VERSION, "curve": stamp(curve), "calibrations": {str(p): stamp(p / "calibration.json")
+                                                                         for p in paths}}
+
+
+def choose_method(engine) -> AutoChoice:
+    """The method (and budget, options) ``--method auto`` runs on ``engine``; cached per model and dtype."""
+    found = candidates(engine.model_name)
+    if not found:  # nothing to predict from: no measurement needed
+        return decide(engine.model_name, {1: 1.0}, [])
+    path = _cache_path(engine)
+    fp = _fingerprint(engine, [p for _, p in found])
+    if path.exists():
+        try:
+            body = json.loads(path.read_text())
+            if body.get("fingerprint") == fp:
+                return AutoChoice(**body["choice"])
+        except (ValueError, KeyError, TypeError):
+            pass  # a damaged cache file is recomputed
+    curve = latency_curve(engine)
+    choice = decide(engine.model_name, curve, [(c, Calibration.load(p)) for c, p in found])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"fingerprint": _fingerprint(engine, [p for _, p in found]),
+                               "choice": choice.to_dict()}, indent=1))
+    tmp.replace(path)
+    return choice
+
+
+def resolve(engine, method: str) -> tuple[str, int | None, dict, AutoChoice | None]:
+    """``"auto"`` -> the chosen ``(method, budget, options, choice)``; any other method passes through as
+    ``(method, None, {}, None)`` (budget None = the method's default)."""
+    if method != "auto":
+        return method, None, {}, None
+    choice = choose_method(engine)
+    return choice.method, choice.budget, dict(choice.options), choice
+
+
+__all__ = ["AutoChoice", "MARGIN", "choose_method", "decide", "resolve"]

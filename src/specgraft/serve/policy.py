@@ -1,0 +1,98 @@
+"""The scheduler's budget policy: smaller trees as the batch grows (docs/serving.md, "Budget under load").
+
+One batched forward verifies every request's tree, so its cost grows with the batch's total tree slots. On a
+memory-bound CPU a forward over a few tokens costs about as much as over one, then grows; a budget that is best
+alone (B = 1) overpays at B = 4 and loses to AR at B = 8 (docs/benchmarks.md, issue 13's batch table). For each
+step with B >= 2 requests, each request's budget becomes
+
+    K*(B) = argmax_{0 <= K <= budget}  B * MAT(K) / (B * draft_s + verify_s(B * (K + 1)))
+
+with ``verify_s`` this machine's measured latency curve (graft/autotune.py, made non-decreasing; proportional to
+the width beyond the widest measurement) read at the batch's total slots and
+``MAT(K)`` replayed from the method's calibration (eagle / graft / prune), as ``--budget auto`` does for one
+request. Methods without a calibration (pld, recycle, draft) keep their trees inside the curve's cheap region:
+``K = min(budget, knee // B - 1)``, ``knee`` the widest forward costing at most 25% more than one token.
+Alone (B = 1) a request keeps its own budget. Only the candidates change, so every output stays lossless.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..auto import gate_pass_share
+from ..graft.autotune import expected_mat, interpolate, latency_curve
+from ..graft.calibration import Calibration
+from ..registry import DEFAULTS, calibration_dir
+
+CALIBRATED = ("eagle", "graft", "prune")
+
+
+def knee(curve: dict[int, float], slack: float = 1.25) -> int:
+    base = curve[min(curve)]
+    return max(w for w, s in curve.items() if s <= slack * base)
+
+
+def monotone(curve: dict[int, float]) -> dict[int, float]:
+    """The measured curve made non-decreasing (a wider forward never costs less; medians of 3 are noisy)."""
+    out, best = {}, 0.0
+    for w in sorted(curve):
+        best = max(best, curve[w])
+        out[w] = best
+    return out
+
+
+def verify_s(curve: dict[int, float], width: int) -> float:
+    """Interpolated inside the measured widths; beyond them proportional to the width (compute-bound)."""
+    top = max(curve)
+    return interpolate(curve, width) if width <= top else curve[top] * width / top
+
+
+def batch_budget(curve: dict[int, float], ranks: list[list[int]], draft_s: float, budget: int, batch: int) -> int:
+    """K*(B) of the module docstring. The drafter's time is paid even at K = 0 (a head still digests the
+    accepted tokens), so shrinking the budget is never credited with a saving it does not make."""
+    def rate(k: int) -> float:
+        return batch * expected_mat(ranks, k) / (batch * draft_s + verify_s(curve, batch * (k + 1)))
+
+    return max(range(budget + 1), key=rate)
+
+
+class BatchBudget:
+    """``engine.budget_policy``: built once on an idle engine (measuring the latency curve if not cached)."""
+
+    def __init__(self, engine):
+        self.curve = monotone(latency_curve(engine))
+        self.knee = knee(self.curve)
+        self.model = engine.model_name
+        self._cal: dict[tuple, tuple | None] = {}
+        self._memo: dict[tuple, int] = {}
+
+    def calibration(self, config: dict) -> tuple | None:
+        """(accepted ranks, draft seconds per step) of a request's method, or None without a calibration."""
+        method = config.get("method")
+        if method not in CALIBRATED:
+            return None
+        key = (method, config.get("drafter"), config.get("calibration"), config.get("head"))
+        if key not in self._cal:
+            try:
+                opts = {k: v for k, v in config.items() if k in ("drafter", "calibration", "head")}
+                opts.setdefault("drafter", "eagle")
+                where = opts.get("calibration", "auto")
+                path = calibration_dir(opts, self.model) if where in ("auto", None) else where
+                cal = Calibration.load(Path(path))
+                draft_s = float(cal.meta.get("draft_s_per_step", 0.0))
+                if method == "graft":  # its gate stops the drafter early on most steps (auto.py, as --method auto)
+                    draft_s *= gate_pass_share(cal, DEFAULTS["eagle" if opts["drafter"] == "eagle" else "draft"]["depth"])
+                self._cal[key] = (cal.accepted_ranks, draft_s) if cal.accepted_ranks else None
+            except Exception:  # noqa: BLE001 -- no usable calibration: fall back to the knee rule
+                self._cal[key] = None
+        return self._cal[key]
+
+    def __call__(self, req, batch: int) -> int:
+        if batch < 2:
+            return req.budget
+        cal = self.calibration(req.config)
+        key = (id(cal[0]) if cal else None, req.budget, batch)
+        if key not in self._memo:
+            self._memo[key] = batch_budget(self.curve, cal[0], cal[1], req.budget, batch) if cal else \
+                max(0, min(req.budget, self.knee // batch - 1))
+        return self._memo[key]

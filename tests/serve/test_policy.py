@@ -1,0 +1,37 @@
+"""The scheduler's budget policy (serve/policy.py): golden choices on synthetic latency curves."""
+
+from types import SimpleNamespace
+
+from specgraft.serve.policy import BatchBudget, batch_budget, knee, monotone, verify_s
+
+FLAT_THEN_LINEAR = {1: 0.10, 2: 0.10, 4: 0.10, 8: 0.11, 16: 0.12, 32: 0.20, 64: 0.40}
+# Every step accepts the nodes of score rank 0, 1 and 3: MAT(K) = 1 + #ranks below K.
+RANKS = [[0, 1, 3]] * 10
+
+
+def test_monotone_and_extrapolation():
+    noisy = {1: 0.1, 2: 0.09, 4: 0.12, 8: 0.11}
+    assert monotone(noisy) == {1: 0.1, 2: 0.1, 4: 0.12, 8: 0.12}
+    assert verify_s(FLAT_THEN_LINEAR, 128) == 0.80 and verify_s(FLAT_THEN_LINEAR, 24) == 0.16
+    assert knee(FLAT_THEN_LINEAR) == 16 and knee({1: 0.1, 2: 0.2}) == 1
+
+
+def test_budget_shrinks_as_the_batch_grows():
+    # Alone, K = 4 reaches all three accepted ranks (MAT 4) while the forward is still nearly flat. At B = 8,
+    # K = 2 (MAT 3, 24 slots, 0.16 s: 150 tok/s) beats K = 4 (MAT 4, 40 slots, 0.25 s: 128 tok/s); when the
+    # forward is compute-bound (B = 64) extra slots buy nothing and ties go to the smaller tree.
+    got = {b: batch_budget(FLAT_THEN_LINEAR, RANKS, 0.0, 59, b) for b in (1, 2, 4, 8, 16, 64)}
+    assert got == {1: 4, 2: 4, 4: 4, 8: 2, 16: 1, 64: 0}
+    # A costly drafter is paid at every K, so it does not push the choice to K = 0 by itself.
+    assert batch_budget(FLAT_THEN_LINEAR, RANKS, 0.05, 59, 4) == got[4]
+    assert batch_budget(FLAT_THEN_LINEAR, RANKS, 0.0, 1, 1) == 1  # never above the request's budget
+
+
+def test_policy_keeps_a_lone_request_budget_and_uses_the_knee_without_calibration():
+    policy = BatchBudget.__new__(BatchBudget)
+    policy.curve, policy.knee, policy.model, policy._cal, policy._memo = FLAT_THEN_LINEAR, 16, "m", {}, {}
+    pld = SimpleNamespace(budget=10, config={"method": "pld"})
+    assert [policy(pld, b) for b in (1, 2, 4, 8, 16)] == [10, 7, 3, 1, 0]
+    policy._cal[("graft", "eagle", None, None)] = (RANKS, 0.0)
+    graft = SimpleNamespace(budget=59, config={"method": "graft", "drafter": "eagle"})
+    assert [policy(graft, b) for b in (1, 8, 64)] == [59, 2, 0]
