@@ -27,11 +27,14 @@ def test_budget_shrinks_as_the_batch_grows():
     assert batch_budget(FLAT_THEN_LINEAR, RANKS, 0.0, 1, 1) == 1  # never above the request's budget
 
 
-def test_policy_keeps_a_lone_request_budget_and_uses_the_knee_without_calibration():
+def test_policy_keeps_lone_and_sampled_budgets_and_uses_the_knee_without_calibration():
     policy = BatchBudget.__new__(BatchBudget)
     policy.curve, policy.knee, policy.model, policy._cal, policy._memo = FLAT_THEN_LINEAR, 16, "m", {}, {}
-    pld = SimpleNamespace(budget=10, config={"method": "pld"})
+    greedy, sampled = SimpleNamespace(greedy=True), SimpleNamespace(greedy=False)
+    pld = SimpleNamespace(budget=10, config={"method": "pld"}, params=greedy)
     assert [policy(pld, b) for b in (1, 2, 4, 8, 16)] == [10, 7, 3, 1, 0]
+    pld.params = sampled  # a seeded request's text must not depend on its neighbours: its tree stays
+    assert [policy(pld, b) for b in (1, 4, 16)] == [10, 10, 10]
     policy._cal[("graft", "eagle", None, None)] = (RANKS, 0.0)
-    graft = SimpleNamespace(budget=59, config={"method": "graft", "drafter": "eagle"})
+    graft = SimpleNamespace(budget=59, config={"method": "graft", "drafter": "eagle"}, params=greedy)
     assert [policy(graft, b) for b in (1, 8, 64)] == [59, 2, 0]

@@ -13,6 +13,9 @@ the width beyond the widest measurement) read at the batch's total slots and
 request. Methods without a calibration (pld, recycle, draft) keep their trees inside the curve's cheap region:
 ``K = min(budget, knee // B - 1)``, ``knee`` the widest forward costing at most 25% more than one token.
 Alone (B = 1) a request keeps its own budget. Only the candidates change, so every output stays lossless.
+Sampled requests keep their budget too: a different tree consumes a request's random stream differently, so
+shrinking it would make a seeded request's text depend on what runs beside it (still correctly distributed,
+but not reproducible); greedy outputs do not depend on the tree at all.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ class BatchBudget:
         return self._cal[key]
 
     def __call__(self, req, batch: int) -> int:
-        if batch < 2:
+        if batch < 2 or not req.params.greedy:  # see the module docstring: seeded sampling stays reproducible
             return req.budget
         cal = self.calibration(req.config)
         key = (id(cal[0]) if cal else None, req.budget, batch)
