@@ -113,13 +113,18 @@ def gate_pass_share(cal: Calibration, depth: int) -> float:
     return passes / (depth + 1)
 
 
+def draft_share(method: str, drafter: str, cal: Calibration) -> float:
+    """The share of the calibrated drafting time a method pays per step: Graft's gate stops the drafter early on
+    most steps; EAGLE and the pruning baselines draft in full. (The server's budget policy uses it too.)"""
+    if method != "graft":
+        return 1.0
+    return gate_pass_share(cal, DEFAULTS["eagle" if drafter == "eagle" else "draft"]["depth"])
+
+
 def predict(c: Candidate, cal: Calibration, curve: dict[int, float]) -> dict:
     """The candidate's best budget and its predicted MAT, step time and tokens/s."""
     draft_s = float(cal.meta.get("draft_s_per_step", 0.0))
-    share = 1.0
-    if c.method == "graft":
-        depth = DEFAULTS["eagle" if c.drafter == "eagle" else "draft"]["depth"]
-        share = gate_pass_share(cal, depth)
+    share = draft_share(c.method, c.drafter, cal)
     max_budget = int(cal.meta.get("budget", 60))
     budget, table = choose_budget(curve, cal.accepted_ranks, draft_s * share, max_budget)
     row = next(r for r in table if r["budget"] == budget)

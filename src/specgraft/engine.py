@@ -321,7 +321,7 @@ class Engine:
             draft_s += clock() - t
             fwd1 += r.drafter.forward_s
             new = cut_at_eos(tree.tokens[v.accepted[1:]].tolist() + [v.bonus], self.eos_ids, r.room)
-            src = [_LABEL.get(int(tree.source[n]), "head") for n in v.accepted[1:]] + ["bonus"]
+            src = [_LABEL.get(x, "head") for x in tree.source[v.accepted[1:]].tolist()] + ["bonus"]
             kids = tree.children
             r.stats.record_step(v.accept_length, [bool(kids[n]) for n in v.accepted], len(new), tree.size - 1)
             r.stats.verify_s += forward

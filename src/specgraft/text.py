@@ -11,6 +11,8 @@ emitted piece splits into runs of one source each (:meth:`TextState.segments`): 
 
 from __future__ import annotations
 
+import bisect
+
 
 class TextState:
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
@@ -29,13 +31,16 @@ class TextState:
         """The new text piece after ``output`` grew, and, when a stop string appeared, the number of tokens to
         keep: the shortest prefix of ``output`` whose text contains it (a step may overshoot it). ``sources``
         labels the new tokens (for :meth:`segments`)."""
-        if sources is not None:
-            first = len(output) - len(sources)
-            for i, src in enumerate(sources):
-                end = len(self.decode(output[: first + i + 1]))
-                self.ends.append(max(end, self.ends[-1] if self.ends else 0))
-                self.sources.append(src)
         self.full = self.decode(output)
+        if sources:
+            # Offsets of a step's tokens from a decode of the step's tokens alone (not of the whole output per
+            # token, which would cost O(len) per token); the last one is the full text's length, so they resync
+            # every step. A character split across the step boundary may be attributed one token off.
+            first, base = len(output) - len(sources), self.ends[-1] if self.ends else 0
+            for end in [base + len(self.decode(output[first: first + i + 1])) for i in range(len(sources) - 1)] \
+                    + [len(self.full)]:
+                self.ends.append(max(end, self.ends[-1] if self.ends else 0))
+            self.sources.extend(sources)
         hit = min((self.full.find(x) for x in self.stop if x in self.full), default=-1)
         if hit >= 0:
             self.full = self.full[:hit]
@@ -65,8 +70,11 @@ class TextState:
                 runs[-1:] = [(runs[-1][0] + self.text[a:b], src)] if runs and runs[-1][1] == src else \
                     [*runs[-1:], (self.text[a:b], src)]
 
-        lo = 0
-        for src, end in zip(self.sources, self.ends):
+        i = bisect.bisect_right(self.ends, start)  # the first token ending after ``start``: no walk from the start
+        lo = self.ends[i - 1] if i else 0
+        for src, end in zip(self.sources[i:], self.ends[i:]):
+            if lo >= stop:
+                break
             add(max(lo, start), min(end, stop), src)
             lo = end
         add(max(lo, start), stop, self.sources[-1] if self.sources else "bonus")

@@ -84,17 +84,10 @@ def generate(
                            draft_depth, head, eagle_top_k, eagle_depth)
     if not auto and method not in METHODS:
         raise SpecgraftError(f"unknown method '{method}'; choose auto (the default) or one of: {', '.join(METHODS)}")
-    from ..eval.harness import parse_method
+    from ..eval.harness import parse_budget, parse_opts
 
-    extra = {k: v for o in opt for k, v in parse_method("x:" + o).items() if k != "name"}
-    if "budget" in extra:
-        raise SpecgraftError("set the budget with --budget, not --opt budget=...")
-    opts.update(extra)
-    if budget is not None and budget != "auto":
-        try:
-            budget = int(budget)
-        except ValueError:
-            raise SpecgraftError(f"--budget must be an integer or 'auto', got '{budget}'") from None
+    opts.update(parse_opts(opt))
+    budget = parse_budget(budget)
     given = [f for f, v in flags.items() if v is not None] + (["--opt"] if opt else []) + \
         (["--budget"] if budget is not None else [])
     if auto and given:  # auto picks method, budget and options together: half-overriding it is ambiguous

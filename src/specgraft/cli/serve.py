@@ -37,7 +37,8 @@ def serve(
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Serve the model over OpenAI's API (chat, completions, models), with /metrics and a playground at /."""
-    from ..serve.launch import build_server, parse_budget, parse_opts
+    from ..eval.harness import parse_budget, parse_opts
+    from ..serve.launch import build_server
 
     opts, budget_v = parse_opts(opt), parse_budget(budget)
     if replicas:

@@ -132,6 +132,24 @@ def parse_method(spec: str) -> dict:
     return entry
 
 
+def parse_opts(opt: list[str]) -> dict:
+    """``--opt k=v`` (repeatable) as method options; the budget has its own flag."""
+    extra = {k: v for o in opt for k, v in parse_method("x:" + o).items() if k != "name"}
+    if "budget" in extra:
+        raise SpecgraftError("set the budget with --budget, not --opt budget=...")
+    return extra
+
+
+def parse_budget(budget: str | None):
+    """``--budget``: an integer, ``auto`` or None (the method's default)."""
+    if budget is None or budget == "auto":
+        return budget
+    try:
+        return int(budget)
+    except ValueError:
+        raise SpecgraftError(f"--budget must be an integer or 'auto', got '{budget}'") from None
+
+
 def record_key(rec: dict) -> tuple:
     return rec["dataset"], rec["prompt_id"], rec["label"], rec["seed"]
 

@@ -9,27 +9,8 @@ from typing import Optional
 from ..auto import choose_method
 from ..engine import Engine
 from ..errors import SpecgraftError
-from ..eval.harness import parse_method
 from ..registry import check_options
 from .app import Server
-
-
-def parse_opts(opt: list[str]) -> dict:
-    """``["k=v", ...]`` (``--opt``) as method options."""
-    extra = {k: v for o in opt for k, v in parse_method("x:" + o).items() if k != "name"}
-    if "budget" in extra:
-        raise SpecgraftError("set the budget with --budget, not --opt budget=...")
-    return extra
-
-
-def parse_budget(budget: Optional[str]):
-    """``--budget``: an integer, ``auto`` or None (the method's default)."""
-    if budget is None or budget == "auto":
-        return budget
-    try:
-        return int(budget)
-    except ValueError:
-        raise SpecgraftError(f"--budget must be an integer or 'auto', got '{budget}'") from None
 
 
 def build_server(model: str, dtype: str, method: str, budget, opts: dict, name: Optional[str], max_num_seqs: int,
@@ -48,6 +29,6 @@ def build_server(model: str, dtype: str, method: str, budget, opts: dict, name: 
         choice = choose_method(engine)
         method, budget, opts = choice.method, choice.budget, dict(choice.options)
         auto = {"method": method, "budget": budget, "reason": choice.reason}
-        print(f"method auto: {method} (budget {budget}) - {choice.reason}", file=sys.stderr)
+        print(f"method auto: {choice.describe()} — {choice.reason}", file=sys.stderr)
     return Server.start(engine, name, method, opts, budget, max_num_seqs, max_queue, timeout or None, max_tokens,
                         auto, batch_budget=batch_budget)

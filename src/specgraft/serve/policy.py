@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..auto import gate_pass_share
+from ..auto import draft_share
 from ..graft.autotune import expected_mat, interpolate, latency_curve
 from ..graft.calibration import Calibration
-from ..registry import DEFAULTS, calibration_dir
+from ..registry import calibration_dir
 
 CALIBRATED = ("eagle", "graft", "prune")
 
@@ -82,9 +82,7 @@ class BatchBudget:
                 where = opts.get("calibration", "auto")
                 path = calibration_dir(opts, self.model) if where in ("auto", None) else where
                 cal = Calibration.load(Path(path))
-                draft_s = float(cal.meta.get("draft_s_per_step", 0.0))
-                if method == "graft":  # its gate stops the drafter early on most steps (auto.py, as --method auto)
-                    draft_s *= gate_pass_share(cal, DEFAULTS["eagle" if opts["drafter"] == "eagle" else "draft"]["depth"])
+                draft_s = float(cal.meta.get("draft_s_per_step", 0.0)) * draft_share(method, opts["drafter"], cal)
                 self._cal[key] = (cal.accepted_ranks, draft_s) if cal.accepted_ranks else None
             except Exception:  # noqa: BLE001 -- no usable calibration: fall back to the knee rule
                 self._cal[key] = None

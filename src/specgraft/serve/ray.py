@@ -151,7 +151,7 @@ def app_builder(args: dict):
     Serve config file's ``import_path`` with ``args``. Values may be strings (``serve run``) or typed (YAML); each
     is converted to the type of build_server's default; ``opts`` is a mapping or ``"k=v,k2=v2"``; ``replicas``,
     ``num_cpus`` and ``max_replicas`` size the deployment (defaults 2, 1.0, 0)."""
-    from .launch import parse_budget, parse_opts
+    from ..eval.harness import parse_budget, parse_opts
 
     args = dict(args or {})
     defaults = config_defaults()
