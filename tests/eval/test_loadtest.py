@@ -3,7 +3,7 @@ runs against the tiny engine."""
 
 import pytest
 
-from specgraft.eval.loadtest import request_body, run_loadtest, summary, table
+from specgraft.eval.loadtest import prompt_table, request_body, run_loadtest, summary, table
 from specgraft.serve.app import Server
 
 from ..serve.live import Live
@@ -42,6 +42,9 @@ def test_summary_ratios_errors_and_mat():
     assert pld["mat"] == pytest.approx(9 / 4) and ar["mat"] == pytest.approx(1.0)
     assert pld["ttft_p50"] == pytest.approx(0.1) and pld["itl_p99"] == pytest.approx(0.05)
     assert "| m | 2 | pld |" in table(list(rows.values()))
+    per = prompt_table(records(), 2).splitlines()
+    assert per[0] == "| prompt | ar s/token | pld s/token (vs AR) |" and len(per) == 4  # a, b; c failed
+    assert per[2] == "| a | 0.200 | 0.100 (2.00x) |"
 
 
 def test_a_live_run_measures_and_resumes(tiny_engine, tmp_path):

@@ -83,7 +83,7 @@ def loadtest(
 
     from ..env import environment
     from ..eval.datasets import load_dataset
-    from ..eval.loadtest import run_loadtest, summary, table
+    from ..eval.loadtest import prompt_table, run_loadtest, summary, table
 
     specs = [s.strip() for s in methods.split(";") if s.strip()]
     try:
@@ -104,3 +104,5 @@ def loadtest(
     records = run_loadtest(url.rstrip("/"), specs, [(it.id, it.turns[0]) for it in items], levels, rounds,
                            max_tokens, out, meta, log=lambda s: print(s, file=sys.stderr))
     print(table(summary(records)))
+    for c in levels:
+        print(f"\nPer prompt, concurrency {c}:\n" + prompt_table(records, c))

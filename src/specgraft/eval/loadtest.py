@@ -190,3 +190,24 @@ def table(rows: list[dict]) -> str:
                      f"{r['tok_per_s']:.2f} ({per}) | {tr} | {ci} | {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | "
                      f"{1000 * r['itl_p50']:.0f} / {1000 * r['itl_p99']:.0f} | {mat} | {r['errors']} |")
     return "\n".join(lines)
+
+
+def prompt_table(records: list[dict], concurrency: int) -> str:
+    """Per prompt at one concurrency: each method's end-to-end seconds per token (mean over rounds) and its
+    speedup over AR on that prompt, so a total is never the only evidence."""
+    reqs = [r for r in records if r.get("kind") == "request" and r["concurrency"] == concurrency
+            and r["error"] is None and r.get("tokens")]
+    methods = sorted({r["method"] for r in reqs}, key=lambda m: (m != "ar", m))
+    prompts = sorted({r["prompt"] for r in reqs}, key=lambda p: (len(p), p))
+    spt = {(m, p): float(np.mean([r["e2e_s"] / r["tokens"] for r in reqs if (r["method"], r["prompt"]) == (m, p)]))
+           for m in methods for p in prompts if any((r["method"], r["prompt"]) == (m, p) for r in reqs)}
+    lines = ["| prompt | " + " | ".join(f"{m} s/token" + ("" if m == "ar" else " (vs AR)") for m in methods) + " |",
+             "|---|" + "---|" * len(methods)]
+    for p in prompts:
+        cells = []
+        for m in methods:
+            v = spt.get((m, p))
+            ar = spt.get(("ar", p))
+            cells.append("-" if v is None else f"{v:.3f}" + ("" if m == "ar" or not ar else f" ({ar / v:.2f}x)"))
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
