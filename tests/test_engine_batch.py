@@ -233,8 +233,8 @@ def test_step_outputs_label_every_token_with_its_source(tiny_engine):
             assert len(o.sources) == len(o.token_ids) and o.accepted <= o.draft_tokens
             if o.token_ids and not o.finished:
                 assert o.sources[-1] == "bonus" and len(o.token_ids) == o.accepted + 1
-            assert set(o.sources[:-1]) <= ({"retrieval"} if method != "ar" else set())
+            assert set(o.sources[:-1]) <= ({"recycle": {"matrix"}, "pld": {"context"}}.get(method, set()))
             assert "".join(t for t, _ in o.segments) == o.text
         if method != "ar":
-            assert any("retrieval" in o.sources for o in outs)
+            assert any(set(o.sources) & {"matrix", "context"} for o in outs)
         assert "".join(o.text for o in outs) == outs[-1].result.text

@@ -47,7 +47,7 @@ def test_segments_split_each_piece_by_token_source_across_held_back_text():
     piece, _ = state.update(out, sources=["prefill", "head", "bonus"])
     assert piece == "ab" and state.segments(piece) == [("a", "prefill"), ("b", "head")]
     out += [3, 4]
-    piece, _ = state.update(out, sources=["retrieval", "bonus"])
-    assert piece == "cd" and state.segments(piece) == [("c", "bonus"), ("d", "retrieval")]
+    piece, _ = state.update(out, sources=["matrix", "bonus"])
+    assert piece == "cd" and state.segments(piece) == [("c", "bonus"), ("d", "matrix")]
     piece, _ = state.update(out, final=True, sources=[])
     assert state.segments(piece) == [("e", "bonus")]

@@ -23,7 +23,7 @@ from .core.backend import TargetBackend
 from .core.drafter import DraftContext, Drafter
 from .core.sampling import SamplingParams, make_generator, target_probs
 from .core.stats import Stats
-from .core.tree import SOURCE_DRAFT, SOURCE_PLD, SOURCE_RETRIEVAL, Tree
+from .core.tree import SOURCE_CONTEXT, SOURCE_DRAFT, SOURCE_RETRIEVAL, Tree
 from .core.verify import Verdict, verify_tree
 from .errors import SpecgraftError
 from .graft.autotune import auto_budget
@@ -66,9 +66,10 @@ class Generation:
 
 # Where each emitted token came from (the playground's colours, the server's by-source metrics): the first
 # token comes from the prefill; a step's accepted candidates from the drafter's model (EAGLE head / draft model)
-# or from retrieval (the adjacency matrix, prompt lookup); its last token is the target's bonus token.
-TOKEN_SOURCES = ("prefill", "head", "retrieval", "bonus")
-_LABEL = {SOURCE_DRAFT: "head", SOURCE_RETRIEVAL: "retrieval", SOURCE_PLD: "retrieval"}
+# or from retrieval: the adjacency matrix ("matrix") or a continuation copied from earlier in the sequence
+# ("context": prompt lookup, Graft's context source); its last token is the target's bonus token.
+TOKEN_SOURCES = ("prefill", "head", "matrix", "context", "bonus")
+_LABEL = {SOURCE_DRAFT: "head", SOURCE_RETRIEVAL: "matrix", SOURCE_CONTEXT: "context"}
 
 
 @dataclass

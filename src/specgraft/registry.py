@@ -14,6 +14,7 @@ from .eagle.drafter import EagleDrafter
 from .eagle.head import Eagle3Head
 from .errors import SpecgraftError
 from .graft.calibration import Calibration
+from .graft.context import ContextModel
 from .graft.drafter import GraftDrafter
 from .graft.pruning import make_policy
 from .lossy.rules import Rule
@@ -30,9 +31,11 @@ DEFAULTS: dict[str, dict] = {
     # Graft (lossless): prune at calibrated checkpoints, fill freed slots from the matrix. drafter: eagle,
     # draft-tree or draft-chain; variant: graft | fixed | root | batch (trees), tail (chains); "auto" top_k /
     # depth = the inner drafter's defaults; calibration: "auto" (beside the head), "none" or a directory.
+    # context: on = prompt-lookup continuations compete with the matrix for the freed slots; off = the paper's.
     "graft": {"budget": 59, "drafter": "eagle", "variant": "graft", "head": "auto", "model": "qwen2.5-coder-0.5b",
               "top_k": "auto", "depth": "auto", "k": 8, "scope": "request", "dedup": "merge",
-              "calibration": "auto", "rho": "auto", "matrix": "auto", "tpl_depth": "auto", "tpl_width": "auto"},
+              "calibration": "auto", "rho": "auto", "matrix": "auto", "tpl_depth": "auto", "tpl_width": "auto",
+              "context": "on", "ctx_ngram": 3, "ctx_chains": 4},
     # Pruning only (no retrieval): echo (Graft's calibrated gate), ddd, svip; param overrides ddd/svip's level.
     "prune": {"budget": 59, "drafter": "eagle", "policy": "echo", "param": "auto", "head": "auto",
               "model": "qwen2.5-coder-0.5b", "top_k": "auto", "depth": "auto", "calibration": "auto", "rho": "auto"},
@@ -179,11 +182,20 @@ def _graft(method: str, opts: dict, vocab_size: int, dtype: str, target, target_
                  10 if opts["tpl_width"] == "auto" else int(opts["tpl_width"]))
         if sweep[0] < 1 or sweep[1] < 1:
             raise SpecgraftError("tpl_depth and tpl_width must be >= 1")
+    if str(opts["context"]) not in CONTEXT_SWITCH:
+        raise SpecgraftError(f"graft context must be on or off, got {opts['context']!r}")
+    ctx_model = ContextModel.from_fit(cal.context if cal else None, where)
     return GraftDrafter(inner, vocab_size, opts["variant"], make_policy("echo", thresholds), k=k,
                         scope=opts["scope"], snapshot=snapshot, dedup=opts["dedup"],
                         tau_tail=cal.tau_tail if cal else 0.1, rank_weights=cal.rank_weights if cal else None,
                         calibration=where, sweep=sweep, matrix_source=str(opts["matrix"]),
-                        calibration_info=cal.provenance() if cal else None)
+                        calibration_info=cal.provenance() if cal else None,
+                        context=CONTEXT_SWITCH[str(opts["context"])], context_model=ctx_model,
+                        ctx_ngram=opts["ctx_ngram"], ctx_chains=opts["ctx_chains"],
+                        head_expected=cal.head_expected() if cal else None)
+
+
+CONTEXT_SWITCH = {"on": True, "off": False, "True": True, "False": False, "1": True, "0": False}
 
 
 def chain_drafter(method: str, options: dict) -> bool:

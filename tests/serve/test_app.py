@@ -211,8 +211,8 @@ def test_metrics_use_vllm_names_and_add_up(smol):
     assert metric(text, name + "accepted_tokens_per_pos_total") == accepted
     assert metric(text, name + "accepted_tokens_per_pos_total", position="0") >= \
         metric(text, name + "accepted_tokens_per_pos_total", position="1")
-    by = {s: metric(text, name + "accepted_tokens_by_source_total", source=s) for s in ("head", "retrieval", "bonus")}
-    assert by["head"] > 0 and by["bonus"] > 0 and by["head"] + by["retrieval"] <= accepted
+    by = {s: metric(text, name + "accepted_tokens_by_source_total", source=s) for s in ("head", "matrix", "context", "bonus")}
+    assert by["head"] > 0 and by["bonus"] > 0 and by["head"] + by["matrix"] + by["context"] <= accepted
     served = metric(text, "specgraft:request_success_total")
     assert metric(text, "specgraft:time_to_first_token_seconds_count") >= served - \
         metric(text, "specgraft:request_success_total", finished_reason="abort")

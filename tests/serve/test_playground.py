@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from specgraft.serve.app import Server, create_app
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-SOURCES = {"prefill", "head", "retrieval", "bonus"}
+SOURCES = {"prefill", "head", "matrix", "context", "bonus"}
 PROMPT = "Write a Python function that checks whether a number is prime, with a docstring."
 N_TOK = 48
 
@@ -115,11 +115,11 @@ def done(driver, key: str):
 def test_playground_streams_coloured_tokens(browser, live):
     t = time.monotonic()
     open_page(browser, live)
-    # while the request runs, spans from the drafter (or retrieval) show up, coloured by source
+    # while the request runs, spans from the drafter (or matrix / context retrieval) show up, coloured by source
     seen_running = wait_for(
         lambda: text_of(browser, "status-main") == "running" and
-        any(src in ("head", "retrieval") for src, _ in spans(browser, "out-main")), 60,
-        "a head/retrieval token span while streaming")
+        any(src in ("head", "matrix", "context") for src, _ in spans(browser, "out-main")), 60,
+        "a head/matrix/context token span while streaming")
     assert seen_running
     wait_for(lambda: done(browser, "main"), 60, "#status-main = done")
     got = spans(browser, "out-main")
@@ -132,9 +132,9 @@ def test_playground_streams_coloured_tokens(browser, live):
     assert 0 < int(text_of(browser, "tokens-main")) <= N_TOK
     assert "graft" in text_of(browser, "title-main") and not browser.find_element("id", "lossy-main").is_displayed()
     colours = browser.execute_script(
-        "return ['prefill','head','retrieval','bonus'].map(s => "
+        "return ['prefill','head','matrix','context','bonus'].map(s => "
         "getComputedStyle(document.querySelector('.legend .src-' + s)).backgroundColor)")
-    assert len(set(colours)) == 4, colours
+    assert len(set(colours)) == 5, colours
 
     body = {"messages": [{"role": "user", "content": PROMPT}], "temperature": 0, "max_tokens": N_TOK,
             "method": "graft"}

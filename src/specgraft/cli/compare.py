@@ -18,11 +18,11 @@ WARMUP_PROMPT = "List the four seasons, one per line."  # fixed and in no datase
 WARMUP_TOKENS = 16
 
 # The target's own tokens keep the terminal's default colour (readable on any theme); accepted candidates use
-# ANSI green / magenta, which read on dark and light backgrounds alike (yellow, cyan and white vanish on light
+# ANSI green / magenta / red, which read on dark and light backgrounds alike (yellow, cyan and white vanish on light
 # themes, blue on dark ones). The prefill token is underlined rather than coloured.
-STYLES = {"prefill": "underline", "head": "bold green", "retrieval": "bold magenta", "bonus": ""}
-LABELS = {"prefill": "prefill (first token)", "head": "draft head / draft model", "retrieval": "retrieval",
-          "bonus": "target (bonus)"}
+STYLES = {"prefill": "underline", "head": "bold green", "matrix": "bold magenta", "context": "bold red", "bonus": ""}
+LABELS = {"prefill": "prefill (first token)", "head": "draft head / draft model", "matrix": "matrix (retrieval)",
+          "context": "context (copied from earlier)", "bonus": "target (bonus)"}
 
 
 def run_request(engine, prompt, method: str, budget, options: dict, **kwargs):

@@ -70,6 +70,38 @@ def train_head(
           f"{summary['wall_s']:.0f} s); held-out top-1 per TTT step: {acc}", file=sys.stderr)
 
 
+def _warmup_conversations(data: str | None, skip: int) -> list:
+    from ..eval.datasets import LOADERS, load_conversations, load_dataset
+
+    if data in LOADERS and data != "sharegpt":  # a dev split of a benchmark (use --skip to stay off the eval items)
+        convs = [(it.id, [{"role": "user", "content": it.turns[0]}]) for it in load_dataset(data)][skip:]
+    else:
+        convs = load_conversations(data)[skip:]
+    return [c for c in convs if any(m["role"] == "user" and m["content"].strip() for m in c[1])]
+
+
+def _context_only(out_dir, model: str, dtype: str, cache_dir) -> None:
+    """`calibrate --context-only`: the context table from the calibration's own warm-up prompts."""
+    from rich.progress import Progress
+
+    from ..engine import Engine
+    from ..graft.calibrate import refit_context
+    from ..graft.calibration import Calibration
+
+    cal = Calibration.load(out_dir)
+    data = cal.meta.get("data")
+    convs = _warmup_conversations(None if data in (None, "sharegpt (default)") else data, int(cal.meta.get("skip", 0)))
+    engine = Engine(model, dtype, cache_dir)
+    with Progress() as bar:
+        task = bar.add_task("context", total=int(cal.meta["rounds"]))
+        refit_context(engine, cal, convs, lambda d, t, w: bar.update(task, completed=d, total=t, description=w))
+    cal.save(out_dir)
+    first = [row[0] for row in cal.context["table"]]
+    print(f"context table: {out_dir}: first-token acceptance by match length {cal.context['buckets']}: "
+          f"{first}, from {cal.context['positions']} positions of {cal.context['sequences']} decodes",
+          file=sys.stderr)
+
+
 @app.command()
 def calibrate(
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=f"{', '.join(REGISTRY)} or a local HF directory."),
@@ -89,9 +121,13 @@ def calibrate(
     out: Optional[str] = typer.Option(None, help="Output directory (default: beside the head, graft-DRAFTER/)."),
     dtype: str = typer.Option("bfloat16"),
     resume: bool = typer.Option(False, help="Continue an interrupted calibration in --out."),
+    context_only: bool = typer.Option(False, "--context-only", help="Add only the context-retrieval table to the "
+                                      "existing calibration in --out (same warm-up prompts and length as it "
+                                      "recorded); thresholds and matrix stay."),
     cache_dir: Optional[str] = typer.Option(None, help="Where converted models live (default: user cache)."),
 ) -> None:
-    """Warm up Graft's matrix and calibrate its checkpoint thresholds (saved and loaded by default)."""
+    """Warm up Graft's matrix and calibrate its checkpoint thresholds and context table (saved and loaded by
+    default)."""
     from pathlib import Path
 
     from rich.progress import Progress
@@ -113,16 +149,12 @@ def calibrate(
     if not 0 < rho < 1:
         raise SpecgraftError(f"--rho must be in (0, 1), got {rho}")
     quiet_transformers()
-    from ..eval.datasets import LOADERS, load_dataset
-
-    if data in LOADERS and data != "sharegpt":  # a dev split of a benchmark (use --skip to stay off the eval items)
-        convs = [(it.id, [{"role": "user", "content": it.turns[0]}]) for it in load_dataset(data)][skip:]
-    else:
-        convs = load_conversations(data)[skip:]
-    convs = [c for c in convs if any(m["role"] == "user" and m["content"].strip() for m in c[1])]
-    engine = Engine(model, dtype, cache_dir)
     opts = {"drafter": drafter, "head": head, "model": draft_model, "top_k": "auto", "depth": "auto"}
     out_dir = Path(out) if out else calibration_dir(opts, model)
+    if context_only:
+        return _context_only(out_dir, model, dtype, cache_dir)
+    convs = _warmup_conversations(data, skip)
+    engine = Engine(model, dtype, cache_dir)
     state = out_dir / "calibrate-state.pt"
     if state.exists() and not resume:
         raise SpecgraftError(f"{out_dir} holds an interrupted calibration; pass --resume or remove {state}")

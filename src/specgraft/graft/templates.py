@@ -166,11 +166,12 @@ class Hybrid:
     n_draft: int  # non-root draft nodes
     n_retrieved: int  # new retrieval nodes
     n_dedup: int  # retrieved nodes that coincided with an existing node (no slot used)
+    added_from: list[int]  # for each new node (in order), its index in ``retrieved``
 
 
 def graft_merge(tokens: list[int], parents: list[int], retrieved: list[int], tpl_parents: np.ndarray,
                 slots: int, n_template: int, dedup: str = "merge", source_draft: int = 1,
-                source_retrieval: int = 2, row=None) -> Hybrid:
+                source_retrieval: int = 2, row=None, source: list[int] | None = None) -> Hybrid:
     """Merge template nodes (``retrieved[u]`` = token or -1, ``tpl_parents[u]`` its template parent, node 0
     the root) into the draft tree ``tokens``/``parents`` (root first) by token identity under the same
     parent, adding at most ``slots`` new nodes; template first, then the reserve while slots remain.
@@ -178,10 +179,12 @@ def graft_merge(tokens: list[int], parents: list[int], retrieved: list[int], tpl
     A duplicate never takes a slot of its own (the verification walk enters only the first of equal siblings,
     so a second copy and its subtree would be unreachable). ``dedup="skip"``: a duplicate still merges (its
     children attach), and its slot goes to the next rank of the parent's matrix row (``row(token) ->
-    successors``) that is not already a child there.
+    successors``) that is not already a child there. ``source`` labels the existing nodes (default: root, then
+    draft), so a second source can be merged into a tree that already holds a first.
     """
     out_t, out_p = list(tokens), list(parents)
-    source = [0] + [source_draft] * (len(tokens) - 1)
+    source = list(source) if source is not None else [0] + [source_draft] * (len(tokens) - 1)
+    added_from: list[int] = []
     index = {(p, t): i for i, (p, t) in enumerate(zip(out_p, out_t)) if i > 0}
     merged = {0: 0}
     added = dup = 0
@@ -201,6 +204,7 @@ def graft_merge(tokens: list[int], parents: list[int], retrieved: list[int], tpl
                     out_p.append(m_par)
                     source.append(source_retrieval)
                     index[(m_par, alt)] = len(out_t) - 1
+                    added_from.append(u)
                     added += 1
             continue
         if added >= slots:
@@ -210,5 +214,6 @@ def graft_merge(tokens: list[int], parents: list[int], retrieved: list[int], tpl
         source.append(source_retrieval)
         merged[u] = len(out_t) - 1
         index.setdefault((m_par, tok), merged[u])
+        added_from.append(u)
         added += 1
-    return Hybrid(out_t, out_p, source, len(tokens) - 1, added, dup)
+    return Hybrid(out_t, out_p, source, len(tokens) - 1, added, dup, added_from)

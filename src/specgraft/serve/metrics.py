@@ -5,7 +5,7 @@ Speculative decoding, per verification step of a request:
     num_draft_tokens            candidates verified (tree nodes without the root)
     num_accepted_tokens         candidates accepted (the bonus token excluded)
     num_accepted_tokens_per_pos accepted candidates by depth (0 = the root's child), vLLM's "position"
-Ours: emitted tokens by source (head / retrieval / bonus; the prefill token is not counted). Latencies: time to
+Ours: emitted tokens by source (head / matrix / context / bonus; the prefill token is not counted). Latencies: time to
 first token, inter-token latency (a step's wall time shared by the tokens it emitted, one observation per token)
 and end-to-end latency.
 
@@ -42,7 +42,7 @@ class Metrics:
         self.per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Accepted candidates by depth.",
                                ["position"])
         self.by_source = counter("spec_decode_num_accepted_tokens_by_source",
-                                 "Emitted tokens by source: head, retrieval or the target's bonus token.", ["source"])
+                                 "Emitted tokens by source: head, matrix, context or the target's bonus token.", ["source"])
         self.running = Gauge(PREFIX + "num_requests_running", "Requests in the batch.", m, registry=r)
         self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests queued for a batch slot.", m, registry=r)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
