@@ -109,7 +109,7 @@ def test_hf_assisted_reference_matches_ar(smollm2_engine):
 
 # Graft and every ablation variant / pruning baseline, on the shipped SmolLM2 head (and SmolLM2 as its own
 # draft model for the draft-model variants), with the shipped calibration and warm-up matrix when present.
-GRAFT_METHODS = [("graft", {}), ("graft", {"budget": 15}), ("graft", {"variant": "fixed", "budget": 15}),
+GRAFT_METHODS = [("graft", {}), ("graft", {"budget": 15}), ("graft", {"budget": 15, "context": "off"}), ("graft", {"variant": "fixed", "budget": 15}),
                  ("graft", {"variant": "root", "budget": 15}), ("graft", {"variant": "batch", "budget": 15}),
                  ("graft", {"matrix": "cold", "budget": 15}), ("graft", {"tpl_depth": 3, "tpl_width": 4}),
                  ("prune", {"policy": "echo", "budget": 15}), ("prune", {"policy": "ddd", "budget": 15}),
@@ -137,6 +137,40 @@ def test_graft_variants_equal_ar_greedy_fp32(smollm2_engine):
             retrieved += d["counters"].get("accepted_retrieval", 0)
     assert ties <= len(GRAFT_METHODS) and exact >= 4 * len(GRAFT_METHODS) - len(GRAFT_METHODS)
     assert retrieved > 0  # grafted nodes are really accepted on real text
+
+
+# Prompts whose answers repeat long spans of themselves: the context source has work to do.
+COPY_PROMPTS = [
+    "Repeat this sentence three times, numbering each copy: The committee approved the new budget for the "
+    "library renovation after a long debate about the cost of the roof.",
+    "Here is a Python function:\n```python\ndef area(width, height):\n    result = width * height\n    return "
+    "result\n```\nRewrite it with type hints, keeping every line otherwise the same.",
+    "Read the text and answer with a quote from it. Text: The museum opens at ten in the morning. Children under "
+    "twelve enter for free. The cafe on the second floor closes an hour before the museum. Question: when does "
+    "the cafe close?",
+]
+
+
+@pytest.mark.slow
+def test_graft_context_equals_ar_greedy_fp32_and_copies(smollm2_engine):
+    """Graft with the context source (the default) on prompts that repeat long spans, and on the plain set's
+    first prompts, equals AR token for token; context candidates are really offered and accepted."""
+    engine = smollm2_engine
+    ties = runs = 0
+    offered = accepted = skipped = 0
+    for prompt in COPY_PROMPTS + PROMPTS[:2]:
+        ref = engine.generate(prompt, "ar", max_new_tokens=96)
+        for opts in ({"budget": 15}, {"budget": 7}, {"drafter": "draft-chain", "model": "smollm2-135m", "budget": 6}):
+            g = engine.generate(prompt, "graft", max_new_tokens=96, **opts)
+            ties += assert_greedy_equal(engine, ref, g, f"graft {opts} {prompt[:30]}")
+            runs += 1
+            d = g.config["drafter"]
+            assert d["context"]["on"]
+            offered += d["counters"].get("offered_context", 0)
+            accepted += d["counters"].get("accepted_context", 0)
+            skipped += d["stage_histogram"].get("context", 0)
+    assert ties <= 1
+    assert offered > 0 and accepted > 0 and skipped > 0, (offered, accepted, skipped)
 
 
 def test_hf_assisted_passes_truncation_sampling(monkeypatch):
@@ -173,7 +207,7 @@ def test_batched_requests_equal_solo_fp32_join_and_abort(smollm2_engine):
     request its solo output token for token (fp32; a divergence is allowed only at an exact tie)."""
     engine = smollm2_engine
     plan = [(PROMPTS[0], "eagle", {}), (PROMPTS[1], "graft", {"budget": 15}), (PROMPTS[2], "recycle", {}),
-            (PROMPTS[4], "pld", {}), (PROMPTS[7], "ar", {})]
+            (PROMPTS[4], "pld", {}), (PROMPTS[7], "ar", {}), (COPY_PROMPTS[0], "graft", {"budget": 15})]
     solo = [engine.generate(p, m, max_new_tokens=64, **o) for p, m, o in plan]
     ids = {engine.add_request(p, m, max_new_tokens=64, **o): i for i, (p, m, o) in enumerate(plan[:3])}
     results, aborted = {}, None
@@ -196,4 +230,6 @@ def test_batched_requests_equal_solo_fp32_join_and_abort(smollm2_engine):
             assert g.finish_reason == "abort" and g.token_ids == solo[i].token_ids[: len(g.token_ids)]
             continue
         assert_greedy_equal(engine, solo[i], g, f"batched {plan[i][1]}")
+        if plan[i][0] in COPY_PROMPTS:  # context retrieval works in batch mode too
+            assert g.config["drafter"]["counters"]["accepted_context"] > 0
         assert g.text == solo[i].text or g.token_ids != solo[i].token_ids

@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 import torch
 
 from .core.backend import TargetBackend
-from .core.drafter import DraftContext, Drafter
+from .core.drafter import DraftContext, Drafter, last_occurrences
 from .core.sampling import SamplingParams, make_generator, target_probs
 from .core.stats import Stats
 from .core.tree import SOURCE_CONTEXT, SOURCE_DRAFT, SOURCE_RETRIEVAL, Tree
@@ -242,8 +242,8 @@ class Engine:
     def _admit(self, req: Request) -> None:
         req.t0 = t0 = clock()
         d = req.drafter
-        pre = self.backend.add(torch.tensor(req.prompt_ids, dtype=torch.long), d.needs_prefill_logits,
-                               d.hidden_layers)
+        rows = torch.tensor(last_occurrences(req.prompt_ids)) if d.needs_prefill_logits else False
+        pre = self.backend.add(torch.tensor(req.prompt_ids, dtype=torch.long), rows, d.hidden_layers)
         self.active.append(req)
         try:
             d.start(req.prompt_ids, pre.logits if d.needs_prefill_logits else None, pre.hidden)

@@ -71,3 +71,24 @@ def test_cold_vs_hot_scope_and_budget():
         tree = tr.propose(DraftContext([4, 5], budget=6))
         assert tree.size - 1 <= 6
     assert tr.describe()["retrieval_state"] == "hot"
+
+
+def test_prefill_logits_only_at_last_occurrences_give_the_same_matrix():
+    """The engine asks the prefill for logits at each distinct prompt token's last occurrence only (an lm_head
+    over every position of a long prompt is a large part of the prefill); the matrix is the same as from all."""
+    from specgraft.core.backend import TargetBackend
+    from specgraft.core.drafter import last_occurrences
+
+    from ..conftest import tiny_llama
+
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    assert last_occurrences(ids) == [2, 3, 5, 6, 7, 9, 10]  # 4, 1, 9, 2, 6, 3, 5
+    backend = TargetBackend(tiny_llama(vocab=16))
+    full = backend.prefill(torch.tensor(ids), True).logits
+    rows = torch.tensor(last_occurrences(ids))
+    part = backend.prefill(torch.tensor(ids), rows).logits
+    assert part.shape[0] == len(rows) and torch.allclose(part, full[rows], atol=1e-5)
+    a, b = AdjacencyMatrix(16, 4), AdjacencyMatrix(16, 4)
+    a.update(torch.tensor(ids), full)
+    b.update_prompt(ids, part)
+    assert torch.equal(a.table, b.table) and a.rows_filled == len(set(ids))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specgraft.graft.autotune import choose_budget, expected_mat, interpolate
-from specgraft.graft.calibrate import run_calibration
+from specgraft.graft.calibrate import refit_context, run_calibration
 from specgraft.graft.calibration import Calibration, fit_threshold, isotonic
 from specgraft.engine import Engine
 from specgraft.registry import make_drafter
@@ -77,6 +77,16 @@ def test_calibration_run_saves_loads_and_resumes(tmp_path):
     assert again.meta["steps"] == cal.meta["steps"] and again.meta["seconds"] == pytest.approx(cal.meta["seconds"])
     with pytest.raises(SpecgraftError, match="no calibration"):
         Calibration.load(tmp_path / "nothing")
+    # the context table is fitted on the rounds' decodes, which the calibration keeps
+    assert len(cal.sequences) == 2 and cal.context["sequences"] == 2
+    assert cal.context["positions"] == sum(len(s) - 1 - s[0] - 1 for s in cal.sequences)
+    assert back.context == cal.context and back.sequences == cal.sequences
+    head = cal.head_expected(16)
+    assert len(head) == 17 and head[0] == 0 and head[16] == pytest.approx(expected_mat(cal.accepted_ranks, 16) - 1)
+    # --context-only re-decodes the same prompts with prompt lookup: lossless, so the same sequences and table
+    bare = Calibration(meta={"rounds": 2, "max_new_tokens": 24})
+    refit_context(engine, bare, convs)
+    assert bare.sequences == cal.sequences and bare.context == cal.context
 
 
 def test_provenance_states_data_size_and_fallbacks():

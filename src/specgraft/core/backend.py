@@ -90,12 +90,15 @@ class TargetBackend:
 
     # -- rows joining and leaving ------------------------------------------------------------------------
     @torch.inference_mode()
-    def add(self, ids: torch.Tensor, all_logits: bool = False, hidden_layers: tuple[int, ...] = ()) -> VerifyOutput:
-        """Prefill ``ids: [T]`` alone and append it as the last row; logits ``[T, V]`` (or ``[1, V]``: the
-        last position), hidden states ``[T, H]``."""
+    def add(self, ids: torch.Tensor, all_logits: bool | torch.Tensor = False,
+            hidden_layers: tuple[int, ...] = ()) -> VerifyOutput:
+        """Prefill ``ids: [T]`` alone and append it as the last row; logits ``[T, V]`` (``all_logits=True``),
+        ``[len(rows), V]`` (a tensor of positions ``rows``) or ``[1, V]`` (the last position); hidden states
+        ``[T, H]``."""
         cache = DynamicCache(config=self.model.config)
+        keep = all_logits if isinstance(all_logits, torch.Tensor) else (0 if all_logits else 1)
         out = self.model(input_ids=ids.unsqueeze(0), use_cache=True, **{self._cache_kw: cache},
-                         logits_to_keep=0 if all_logits else 1, output_hidden_states=bool(hidden_layers))
+                         logits_to_keep=keep, output_hidden_states=bool(hidden_layers))
         if self.cache is None:
             self.cache = cache
         else:  # pad the narrower side with holes, then stack the new row under the others

@@ -26,9 +26,16 @@ class DraftContext:
     sampling: SamplingParams = SamplingParams()  # a drafter that samples must use the same processing
 
 
+def last_occurrences(ids: list[int]) -> list[int]:
+    """Positions of the last occurrence of each distinct token, ascending (the last position is always one)."""
+    return sorted({t: i for i, t in enumerate(ids)}.values())
+
+
 class Drafter(Protocol):
     name: str
-    # Whether ``start`` wants logits at every prompt position (costs an lm_head over the prompt).
+    # Whether ``start`` wants prefill logits: the rows at the last occurrence of each distinct prompt token
+    # (``last_occurrences``; all an adjacency matrix keeps), not every position, because an
+    # lm_head over a long prompt's every position costs as much as a large part of the prefill.
     needs_prefill_logits: bool
 
     # Target hidden-state layers the drafter reads at prefill and at every verified node (EAGLE heads).

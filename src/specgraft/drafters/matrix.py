@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..core.drafter import last_occurrences
 from ..core.tree import SOURCE_RETRIEVAL, SOURCE_ROOT, Tree
 
 
@@ -53,6 +54,12 @@ class AdjacencyMatrix:
         k = min(self.k, logits.shape[-1])
         top = torch.topk(logits.index_select(0, idx), k, dim=-1).indices
         self.table[tokens[idx], :k] = top
+
+    def update_prompt(self, prompt_ids: list[int], logits: torch.Tensor) -> None:
+        """The prefill's observations: ``logits`` are the rows at ``last_occurrences(prompt_ids)`` (what the
+        engine computes for a drafter that wants prefill logits; an update keeps only a token's last row)."""
+        ids = torch.tensor(prompt_ids, dtype=torch.long)
+        self.update(ids[torch.tensor(last_occurrences(prompt_ids), dtype=torch.long)], logits)
 
     def gather(self, root: int, parents: np.ndarray, ranks: np.ndarray, depths: np.ndarray) -> torch.Tensor:
         """Template node tokens, one gather per level; ``-1`` under a cold row (or rank >= k), and below it."""

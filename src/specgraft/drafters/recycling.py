@@ -72,8 +72,8 @@ class TokenRecycling:
         if self.scope == "cold":
             self.matrix.clear()
         self.shared["requests"] += 1
-        # The prefill's logits are free successor observations for every prompt token.
-        self.matrix.update(torch.tensor(prompt_ids, dtype=torch.long), prefill_logits)
+        # The prefill's logits are free successor observations for every distinct prompt token.
+        self.matrix.update_prompt(prompt_ids, prefill_logits)
 
     def propose(self, ctx: DraftContext) -> Tree:
         n = min(len(self.parents), ctx.budget + 1)

@@ -109,6 +109,21 @@ def _table(groups: dict, labels: list[str]) -> list[str]:
     return lines
 
 
+def _interval_groups(recs: list[dict]) -> dict:
+    """Prompt keys per dataset, split by category where every category of that dataset has >= 2 prompts
+    (MT-Bench's one prompt per category stays one group)."""
+    by_cat: dict = defaultdict(lambda: defaultdict(set))
+    for r in recs:
+        by_cat[r["dataset"]][r["category"]].add(rs.prompt_key(r))
+    out = {}
+    for dataset, cats in by_cat.items():
+        if len(cats) > 1 and all(len(keys) >= 2 for keys in cats.values()):
+            out.update({f"{dataset}/{c}": keys for c, keys in cats.items()})
+        else:
+            out[dataset] = set().union(*cats.values())
+    return out
+
+
 def _graft_table(recs: list[dict], labels: list[str]) -> list[str]:
     """Graft / pruning instrumentation summed over records: stages, offered and accepted nodes by source."""
     rows = []
@@ -127,15 +142,19 @@ def _graft_table(recs: list[dict], labels: list[str]) -> list[str]:
         d, steps = mine[0]["method_config"]["drafter"], max(sum(r["steps"] for r in mine), 1)
         hit = c["accepted_retrieval"] / c["offered_retrieval"] if c["offered_retrieval"] else float("nan")
         hist = ", ".join(f"{k}: {v / max(steps, 1):.2f}" for k, v in sorted(stages.items(), key=lambda kv: str(kv[0])))
+        ctx_hit = c["accepted_context"] / c["offered_context"] if c["offered_context"] else float("nan")
         rows.append(f"| {label} | {d['variant']} / {d['policy']} | {hist} | {c['offered_draft'] / steps:.1f} / "
-                    f"{c['offered_retrieval'] / steps:.1f} | {c['accepted_draft'] / steps:.2f} / "
-                    f"{c['accepted_retrieval'] / steps:.2f} | {hit:.3f} | {c['dedup'] / steps:.1f} | "
+                    f"{c['offered_retrieval'] / steps:.1f} / {c['offered_context'] / steps:.1f} | "
+                    f"{c['accepted_draft'] / steps:.2f} / {c['accepted_retrieval'] / steps:.2f} / "
+                    f"{c['accepted_context'] / steps:.2f} | {hit:.3f} / {ctx_hit:.3f} | {c['dedup'] / steps:.1f} | "
                     f"{d['calibration'].split('/')[-1]} | {d['rows_filled']} ({d['populated_bytes'] / 1e6:.2f} MB) |")
     if not rows:
         return []
     return ["", "## Graft / pruning instrumentation (per step)", "",
-            "| method | variant / gate | stage share | offered draft / retrieved | accepted draft / retrieved | "
-            "retrieval hit rate | dedup | calibration | matrix rows at end (populated) |",
+            "Sources: draft (head or draft model) / matrix (adjacency-matrix retrieval) / context (continuations "
+            "copied from earlier in the sequence). Stage `context`: the head was skipped for the context.", "",
+            "| method | variant / gate | stage share | offered draft / matrix / context | accepted draft / matrix / "
+            "context | hit rate matrix / context | dedup | calibration | matrix rows at end (populated) |",
             "|---|---|---|---|---|---|---|---|---|", *rows]
 
 
@@ -162,7 +181,7 @@ def markdown(rep: Report, command: str | None = None, reference: str | None = No
               "same prompts in the same run (equal to the wall-time ratio when outputs are identical).", ""]
     lines += ["## Overall", ""] + _table(aggregate(recs, rep.labels, lambda r: "all"), rep.labels)
     lines += rs.noise_lines(pp, rs.noise_pairs(recs, rep.labels))
-    lines += rs.interval_table(pp, rep.labels, reference)
+    lines += rs.interval_table(pp, rep.labels, reference, _interval_groups(recs))
     lines += rs.goal_lines(pp, parsed)
     lines += ["", "## Per dataset", ""] + _table(aggregate(recs, rep.labels, lambda r: r["dataset"]), rep.labels)
     lines += ["", "## Per category", ""] + _table(

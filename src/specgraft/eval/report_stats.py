@@ -239,7 +239,9 @@ def goal_lines(pp: dict, goals: list[Goal]) -> list[str]:
 
 # --- tables ----------------------------------------------------------------------------------------------------
 
-def interval_table(pp: dict, labels: list[str], reference: str | None) -> list[str]:
+def interval_table(pp: dict, labels: list[str], reference: str | None, groups: dict | None = None) -> list[str]:
+    """Overall rows, then one block per group (``{name: prompt keys}``, e.g. per category) when there are
+    several: each group's intervals resample only its own prompts."""
     has_ar = "ar" in pp
     head = "| group | method | prompts | speedup vs AR [95% CI] |"
     sep = "|---|---|---|---|"
@@ -248,20 +250,26 @@ def interval_table(pp: dict, labels: list[str], reference: str | None) -> list[s
         sep += "---|"
     lines = ["", f"## Speedup and MAT with 95% bootstrap intervals ({RESAMPLES} resamples of prompts, paired)", "",
              head + " MAT [95% CI] |", sep + "---|"]
-    for label in labels:
-        if label not in pp:
-            continue
-        vs_ar = speedup_ci(pp, label, "ar") if has_ar else None
-        keys = paired(pp, label, "ar") if has_ar else None
-        mat = mat_ci(pp, label, keys)
-        row = f"| all | {label} | {mat.n} | {vs_ar.fmt() if vs_ar else 'n/a (no AR)'} |"
-        if reference:
-            row += " - |" if label == reference else f" {speedup_ci(pp, label, reference).fmt()} |"
-        lines.append(row + f" {mat.fmt('')} |")
+    blocks = [("all", pp)]
+    if groups and len(groups) > 1:
+        blocks += [(g, {lab: {k: v for k, v in per.items() if k in keys} for lab, per in pp.items()})
+                   for g, keys in groups.items()]
+    for group, sub in blocks:
+        for label in labels:
+            if not sub.get(label):
+                continue
+            vs_ar = speedup_ci(sub, label, "ar") if has_ar else None
+            keys = paired(sub, label, "ar") if has_ar else None
+            mat = mat_ci(sub, label, keys)
+            row = f"| {group} | {label} | {mat.n} | {vs_ar.fmt() if vs_ar else 'n/a (no AR)'} |"
+            if reference:
+                row += " - |" if label == reference else f" {speedup_ci(sub, label, reference).fmt()} |"
+            lines.append(row + f" {mat.fmt('')} |")
     n = max((len(x) for x in pp.values()), default=0)
-    if n < 10:
-        lines += ["", f"- Only {n} prompt(s): percentile intervals from so few prompts are too narrow; read them as "
-                  "rough."]
+    if n < 10 or len(blocks) > 1:
+        lines += ["", f"- Percentile intervals from fewer than 10 prompts (every group below \"all\" here, {n} "
+                  "prompts overall) are too narrow; read them as rough." if len(blocks) > 1 else
+                  f"- Only {n} prompt(s): percentile intervals from so few prompts are too narrow; read them as rough."]
     return lines
 
 

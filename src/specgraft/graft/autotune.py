@@ -27,7 +27,7 @@ from ..env import cpu_name
 from ..errors import SpecgraftError
 from ..models import cache_root
 from ..registry import DEFAULTS, calibration_dir
-from .calibration import Calibration
+from .calibration import Calibration, expected_mat
 
 WIDTHS = (1, 2, 4, 8, 12, 16, 20, 24, 32, 40, 48, 61, 64)
 
@@ -75,10 +75,6 @@ def interpolate(curve: dict[int, float], w: int) -> float:
             return curve[a] + (curve[b] - curve[a]) * (w - a) / (b - a)
     a, b = xs[-2], xs[-1]  # extrapolate linearly beyond the last measurement
     return curve[b] + (curve[b] - curve[a]) * (w - b) / (b - a)
-
-
-def expected_mat(accepted_ranks: list[list[int]], budget: int) -> float:
-    return sum(1 + sum(r < budget for r in step) for step in accepted_ranks) / max(len(accepted_ranks), 1)
 
 
 def choose_budget(curve: dict[int, float], accepted_ranks: list[list[int]], draft_s: float,

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..drafters.dynamic_tree import InnerDrafter
+from ..core.drafter import last_occurrences
 from ..drafters.matrix import AdjacencyMatrix
 from ..engine import Engine, chat_ids
 from ..errors import SpecgraftError
@@ -22,9 +23,9 @@ from .pruning import CHECKPOINTS, FALLBACK_THRESHOLDS
 def teacher_forced(engine: Engine, messages: list[dict], matrix, max_len: int = 1024) -> int:
     """One prefill over a whole conversation; every position writes its token's row. Returns tokens read."""
     ids = chat_ids(engine.tokenizer, messages, add_generation_prompt=False)[:max_len]
-    out = engine.backend.add(torch.tensor(ids, dtype=torch.long), all_logits=True)
+    out = engine.backend.add(torch.tensor(ids, dtype=torch.long), torch.tensor(last_occurrences(ids)))
     engine.backend.remove(engine.backend.rows - 1)  # read, not decoded: the row leaves at once
-    matrix.update(torch.tensor(ids, dtype=torch.long), out.logits)
+    matrix.update_prompt(ids, out.logits)
     return len(ids)
 
 

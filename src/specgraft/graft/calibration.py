@@ -37,6 +37,11 @@ CLAMP = (0.02, 0.9)
 FALLBACK_TAU_TAIL = 0.1
 
 
+def expected_mat(accepted_ranks: list[list[int]], budget: int) -> float:
+    """MAT of the dense tree at ``budget``, replayed from the score ranks of each step's accepted nodes."""
+    return sum(1 + sum(r < budget for r in step) for step in accepted_ranks) / max(len(accepted_ranks), 1)
+
+
 @dataclass
 class Calibration:
     thresholds: tuple[float, ...] = FALLBACK_THRESHOLDS
@@ -67,8 +72,7 @@ class Calibration:
         recorded score ranks of accepted nodes (as autotune does); None without them (chains record none)."""
         if not self.accepted_ranks:
             return None
-        n = len(self.accepted_ranks)
-        return [sum(sum(r < k for r in step) for step in self.accepted_ranks) / n for k in range(max_budget + 1)]
+        return [expected_mat(self.accepted_ranks, k) - 1 for k in range(max_budget + 1)]
 
     def provenance(self) -> dict:
         """What a record should say about this calibration: data, size, and where a threshold did not come
@@ -177,7 +181,7 @@ class Recorder:
 
     def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
         self.inner.start(prompt_ids, None, prefill_hidden)
-        self.matrix.update(torch.tensor(prompt_ids, dtype=torch.long), prefill_logits)
+        self.matrix.update_prompt(prompt_ids, prefill_logits)
 
     def propose(self, ctx):
         if self.chain:

@@ -132,7 +132,7 @@ class GraftDrafter:
         self.counters, self.stages, self.times = Counter(), Counter(), Counter()  # per request (records)
         self._ctx, self._ctx_values = {"accepted": 0.0, "expected": 0.0}, {}
         if prefill_logits is not None:
-            self.matrix.update(torch.tensor(prompt_ids, dtype=torch.long), prefill_logits)
+            self.matrix.update_prompt(prompt_ids, prefill_logits)
 
     def propose(self, ctx: DraftContext) -> Tree:
         t0 = time.perf_counter()
