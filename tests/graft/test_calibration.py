@@ -81,6 +81,8 @@ def test_calibration_run_saves_loads_and_resumes(tmp_path):
     assert len(cal.sequences) == 2 and cal.context["sequences"] == 2
     assert cal.context["positions"] == sum(len(s) - 1 - s[0] - 1 for s in cal.sequences)
     assert back.context == cal.context and back.sequences == cal.sequences
+    prov = back.provenance()["context"]
+    assert prov["positions"] == cal.context["positions"] and len(prov["first_token_by_bucket"]) == 6
     head = cal.head_expected(16)
     assert len(head) == 17 and head[0] == 0 and head[16] == pytest.approx(expected_mat(cal.accepted_ranks, 16) - 1)
     # --context-only re-decodes the same prompts with prompt lookup: lossless, so the same sequences and table
@@ -105,3 +107,4 @@ def test_provenance_states_data_size_and_fallbacks():
                               "tail_fit": {"n": 2100, "rule": "first bin", "rate": [0.2, 0.7]}})
     assert chain.provenance()["observations"] == {"tail": 2100} and chain.provenance()["fallback"] == []
     assert Calibration().provenance()["data"] == "unrecorded"
+    assert Calibration().provenance()["context"].startswith("prior")

@@ -16,7 +16,7 @@ from .app import app, quiet_transformers
 def bench(
     config: Optional[str] = typer.Option(None, help="TOML config (model, dtype, datasets, methods with sweeps, seeds); "
                                          "the flags below override it."),
-    prompts: Optional[str] = typer.Option(None, help="Dataset (mtbench, humaneval, mbpp, gsm8k, sharegpt) or a .jsonl/.txt file."),
+    prompts: Optional[str] = typer.Option(None, help="Dataset (mtbench, humaneval, mbpp, gsm8k, sharegpt, copyheavy) or a .jsonl/.txt file."),
     methods: Optional[str] = typer.Option(None, help="';'-separated, e.g. 'pld;recycle:budget=16'. AR is always added."),
     model: Optional[str] = typer.Option(None, "--model", "-m"),
     dtype: Optional[str] = typer.Option(None),

@@ -89,6 +89,11 @@ class Calibration:
         out["observations"] = {d: f.get("n") for d, f in chosen.items()}
         out["fallback"] = [d for d, f in chosen.items() if "fallback" in f.get("rule", "fallback")]
         out["no_bin_reached_rho"] = [d for d, f in chosen.items() if f.get("rate") and max(f["rate"]) < rho]
+        ctx = self.context or {}
+        out["context"] = {"positions": ctx.get("positions"), "sequences": ctx.get("sequences"),
+                          "first_token_by_bucket": [row[0] for row in ctx["table"]],
+                          "cells_on_prior": sum(t < ctx["min_trials"] for row in ctx["trials"] for t in row)} \
+            if "table" in ctx else "prior (no context table in this calibration)"
         return out
 
     def save(self, out: Path) -> None:
