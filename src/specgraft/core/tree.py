@@ -41,7 +41,6 @@ import torch
 # adjacency matrix; CONTEXT is a continuation copied from earlier in the sequence (prompt lookup, Graft's
 # context source).
 SOURCE_ROOT, SOURCE_DRAFT, SOURCE_RETRIEVAL, SOURCE_CONTEXT = 0, 1, 2, 3
-SOURCE_PLD = SOURCE_CONTEXT
 
 
 @dataclass(frozen=True, eq=False)

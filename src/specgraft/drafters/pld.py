@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from ..core.tree import SOURCE_PLD, Tree
+from ..core.tree import SOURCE_CONTEXT, Tree
 from ..core.drafter import DraftContext
 
 
@@ -54,7 +54,7 @@ class PromptLookup:
     def propose(self, ctx: DraftContext) -> Tree:
         n = ctx.budget
         cands = pld_candidates(np.asarray(ctx.ids), self.max_ngram, n) if n > 0 else []
-        return Tree.chain(ctx.ids[-1], cands, SOURCE_PLD)
+        return Tree.chain(ctx.ids[-1], cands, SOURCE_CONTEXT)
 
     def observe(self, tree, logits, verdict, hidden=None) -> None:
         pass

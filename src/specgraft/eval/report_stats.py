@@ -267,9 +267,8 @@ def interval_table(pp: dict, labels: list[str], reference: str | None, groups: d
             lines.append(row + f" {mat.fmt('')} |")
     n = max((len(x) for x in pp.values()), default=0)
     if n < 10 or len(blocks) > 1:
-        lines += ["", f"- Percentile intervals from fewer than 10 prompts (every group below \"all\" here, {n} "
-                  "prompts overall) are too narrow; read them as rough." if len(blocks) > 1 else
-                  f"- Only {n} prompt(s): percentile intervals from so few prompts are too narrow; read them as rough."]
+        lines += ["", f"- Percentile intervals from fewer than 10 prompts ({n} overall; fewer in each group) are too "
+                  "narrow; read them as rough."]
     return lines
 
 

@@ -34,7 +34,7 @@ import torch
 
 from ..drafters.dynamic_tree import InnerDrafter, rerank
 from .context import ContextModel, context_trie, find_matches, request_factor, split_slots, take_trie
-from .templates import RANK_WEIGHTS, ROOT_SHARE, _weight, graft_merge, stage_split, stage_template, sweep_template
+from .templates import RANK_WEIGHTS, ROOT_SHARE, graft_merge, path_weight, stage_split, stage_template, sweep_template
 from .pruning import SparseGate
 from ..core.tree import SOURCE_CONTEXT, SOURCE_DRAFT, SOURCE_RETRIEVAL, SOURCE_ROOT, Tree
 from ..core.drafter import DraftContext
@@ -89,8 +89,9 @@ class GraftDrafter:
         self.ctx_ngram, self.ctx_chains = ctx_ngram, ctx_chains
         # [K] = the head's expected accepted tokens per step at budget K (calibration; None: never skip the head)
         self.head_expected = head_expected
-        self._ctx = {"accepted": 0.0, "expected": 0.0}  # this request's context record (request_factor)
-        self._ctx_values: dict[int, float] = {}  # this step's context nodes -> their estimates
+        # This request's context record (request_factor): context tokens accepted, and the sum of the estimates
+        # of the context nodes offered.
+        self._ctx = {"accepted": 0.0, "expected": 0.0}
         self._templates: dict[tuple, tuple] = {}
         self.lifetime_retrieval = self.lifetime_context = self.lifetime_context_first = 0
         # With scope "global", forks share the matrix and this request counter (the matrix is set up once).
@@ -117,7 +118,7 @@ class GraftDrafter:
             c.matrix, c.shared = AdjacencyMatrix(self.matrix.table.shape[0], self.matrix.k), {"requests": 0}
         c.counters, c.stages, c.times = Counter(), Counter(), Counter()
         c.lifetime_retrieval = c.lifetime_context = c.lifetime_context_first = 0
-        c._ctx, c._ctx_values = {"accepted": 0.0, "expected": 0.0}, {}
+        c._ctx = {"accepted": 0.0, "expected": 0.0}
         return c
 
     def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
@@ -130,7 +131,7 @@ class GraftDrafter:
                 self.matrix.clear()
         self.shared["requests"] += 1
         self.counters, self.stages, self.times = Counter(), Counter(), Counter()  # per request (records)
-        self._ctx, self._ctx_values = {"accepted": 0.0, "expected": 0.0}, {}
+        self._ctx = {"accepted": 0.0, "expected": 0.0}
         if prefill_logits is not None:
             self.matrix.update_prompt(prompt_ids, prefill_logits)
 
@@ -144,7 +145,6 @@ class GraftDrafter:
         self.counters["offered_context"] += int((src == SOURCE_CONTEXT).sum())
         self.lifetime_retrieval += int((src == SOURCE_RETRIEVAL).sum())  # across requests (tests)
         self.lifetime_context += int((src == SOURCE_CONTEXT).sum())
-        self._ctx["expected"] += sum(self._ctx_values.values())
         return tree
 
     def observe(self, tree: Tree, logits: torch.Tensor, verdict, hidden=None) -> None:
@@ -154,7 +154,6 @@ class GraftDrafter:
         n_ctx = int((acc == SOURCE_CONTEXT).sum())
         self.counters["accepted_context"] += n_ctx
         self._ctx["accepted"] += n_ctx
-        self._ctx_values = {}
         self.matrix.update(tree.tokens, logits)  # every verified node, accepted or not, draft or retrieved
         self.inner.observe(tree, logits, verdict, hidden)
 
@@ -187,7 +186,7 @@ class GraftDrafter:
             tpl = sweep_template(slots, *self.sweep, weights, self.matrix.k) if self.sweep else \
                 stage_template(stage, slots, weights, self.matrix.k)
             parents, ranks, depths = tpl.arrays
-            values = [_weight(p, weights) for p in tpl.paths[: tpl.n_template]]  # prior P(path accepted)
+            values = [path_weight(p, weights) for p in tpl.paths[: tpl.n_template]]  # prior P(path accepted)
             self._templates[key] = (tpl, parents, ranks, depths, values)
         return self._templates[key]
 
@@ -285,9 +284,7 @@ class GraftDrafter:
         tpar = np.array([-1, *(pos.get(cpar[node - 1], 0) for node in keep)])
         hyb = graft_merge(tokens, parents, retrieved, tpar, n, len(keep) + 1, "merge",
                           source_retrieval=SOURCE_CONTEXT, source=source)
-        start = len(tokens)
-        for i, u in enumerate(hyb.added_from):
-            self._ctx_values[start + i] = cval[keep[u - 1] - 1]
+        self._ctx["expected"] += sum(cval[keep[u - 1] - 1] for u in hyb.added_from)  # merged nodes are not offered
         self.counters["dedup_context"] += hyb.n_dedup
         return hyb.tokens, hyb.parents, hyb.source, hyb.n_retrieved
 
@@ -301,7 +298,7 @@ class GraftDrafter:
             if self.context and len(drafts) < ctx.budget:
                 tail, vals = self._context_tail([*ctx.ids, *drafts], ctx.budget - len(drafts))
                 n_ctx = len(tail)
-                self._ctx_values = dict(enumerate(vals))
+                self._ctx["expected"] += sum(vals)
             x = tail[-1] if tail else drafts[-1]
             while len(drafts) + len(tail) < ctx.budget:
                 x = int(self.matrix.table[x, 0])

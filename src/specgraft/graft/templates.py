@@ -63,7 +63,7 @@ class Template:
         return out
 
 
-def _weight(path: tuple[int, ...], weights: tuple[float, ...]) -> float:
+def path_weight(path: tuple[int, ...], weights: tuple[float, ...]) -> float:
     w = 1.0
     for r in path:
         w *= weights[r] if r < len(weights) else 0.0
@@ -82,7 +82,7 @@ def build_template(level_widths: tuple[int, ...], rank_weights: tuple[float, ...
     prev: list[tuple[int, ...]] = [()]
     for width in level_widths:
         cands = [(p + (r,), i, r) for i, p in enumerate(prev) for r in range(k)]
-        cands.sort(key=lambda c: (-_weight(c[0], rank_weights), c[1], c[2]))
+        cands.sort(key=lambda c: (-path_weight(c[0], rank_weights), c[1], c[2]))
         chosen = sorted(cands[:width], key=lambda c: (c[1], c[2]))
         prev = [c[0] for c in chosen]
         if not prev:
@@ -101,7 +101,7 @@ def build_template(level_widths: tuple[int, ...], rank_weights: tuple[float, ...
                 c = p + (r,)
                 if c in placed:
                     continue
-                key = (-_weight(c, rank_weights), len(c), order[p], r)
+                key = (-path_weight(c, rank_weights), len(c), order[p], r)
                 if best is None or key < best[0]:
                     best = (key, c)
         if best is None or best[0][0] == 0.0:
