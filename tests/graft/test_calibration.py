@@ -89,6 +89,8 @@ def test_calibration_run_saves_loads_and_resumes(tmp_path):
     bare = Calibration(meta={"rounds": 2, "max_new_tokens": 24})
     refit_context(engine, bare, convs)
     assert bare.sequences == cal.sequences and bare.context == cal.context
+    with pytest.raises(SpecgraftError, match="does not record its warm-up rounds"):
+        refit_context(engine, Calibration(meta={}), convs)
 
 
 def test_provenance_states_data_size_and_fallbacks():

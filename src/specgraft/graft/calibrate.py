@@ -40,7 +40,10 @@ def refit_context(engine: Engine, cal: Calibration, conversations: list[tuple[st
     """Add the context table to an existing calibration from the same warm-up prompts and length: decoded
     greedily with prompt lookup (lossless, so the same text the calibration's own decode produced), unless the
     calibration already stored its decodes. Thresholds and matrix are left as they are."""
-    rounds, max_new = int(cal.meta["rounds"]), int(cal.meta["max_new_tokens"])
+    if not cal.sequences and not all(isinstance(cal.meta.get(k), int) for k in ("rounds", "max_new_tokens")):
+        raise SpecgraftError("this calibration does not record its warm-up rounds and length; run a full "
+                             "`specgraft calibrate` instead of --context-only")
+    rounds, max_new = int(cal.meta.get("rounds", 0)), int(cal.meta.get("max_new_tokens", 0))
     if not cal.sequences:
         for r in range(rounds):
             ids = warmup_ids(engine, conversations[r][1])
