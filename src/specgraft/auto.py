@@ -52,9 +52,10 @@ class Candidate:
     drafter: str  # the calibration's drafter: eagle or draft-tree
 
 
-def candidates(model_name: str) -> list[tuple[Candidate, Path]]:
-    """The tree methods that can run on this model and have a calibration to predict them from."""
-    head = shipped_head(model_name) is not None
+def candidates(model_name: str, backend: str = "transformers") -> list[tuple[Candidate, Path]]:
+    """The tree methods that can run on this model and backend and have a calibration to predict them from
+    (EAGLE heads need hidden states, which the llama.cpp backend does not expose)."""
+    head = shipped_head(model_name) is not None and backend == "transformers"
     out = [(Candidate("graft", {}, "eagle"), head), (Candidate("eagle", {}, "eagle"), head),
            (Candidate("graft", {"drafter": "draft-tree"}, "draft-tree"), None)]
     found = []
@@ -175,7 +176,7 @@ def _fingerprint(engine, paths: list[Path]) -> dict:
 
 def choose_method(engine) -> AutoChoice:
     """The method (and budget, options) ``--method auto`` runs on ``engine``; cached per model and dtype."""
-    found = candidates(engine.model_name)
+    found = candidates(engine.model_name, engine.backend_name)
     if not found:  # nothing to predict from: no measurement needed
         return decide(engine.model_name, {1: 1.0}, [])
     path = _cache_path(engine)

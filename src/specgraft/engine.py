@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .core.backend import TargetBackend
+from .core.backend import Backend, TargetBackend
 from .core.drafter import DraftContext, Drafter, last_occurrences
 from .core.sampling import SamplingParams, make_generator, target_probs
 from .core.stats import Stats
@@ -30,8 +30,8 @@ from .graft.autotune import auto_budget
 from .lossy.rules import Rule, parse_rule
 from .lossy.verify import verify_tree_lossy
 from .models import load
-from .reference import assistant, hf_assisted
-from .registry import DEFAULTS, check_lossy, check_options, make_drafter
+from .reference import assistant, hf_assisted, llama_pld
+from .registry import DEFAULTS, REFERENCES, check_lossy, check_options, make_drafter
 from .text import TextState
 
 clock = time.perf_counter
@@ -123,23 +123,36 @@ class Engine:
     """A loaded target, cached drafters and the requests in flight. ``Engine("smollm2-135m")`` or
     ``Engine.from_model(m, tok)``."""
 
-    def __init__(self, model: str = "smollm2-135m", dtype: str = "float32", cache_dir: str | None = None):
-        hf_model, tok = load(model, dtype, cache_dir)
-        self._setup(hf_model, tok, model, dtype)
+    def __init__(self, model: str = "smollm2-135m", dtype: str = "float32", cache_dir: str | None = None,
+                 backend: str = "transformers"):
+        """``backend="llamacpp"`` runs the GGUF itself on llama.cpp (``dtype`` is then the GGUF's own: "gguf")."""
+        if backend == "llamacpp":
+            from transformers import AutoTokenizer
+
+            from .backends import llamacpp_backend
+
+            be, tok_dir = llamacpp_backend(model, cache_dir)
+            tok = AutoTokenizer.from_pretrained(tok_dir)
+            self._setup(be, tok, model, "gguf", be.model.eos_ids)
+        elif backend == "transformers":
+            hf_model, tok = load(model, dtype, cache_dir)
+            self._setup(TargetBackend(hf_model), tok, model, dtype, _eos(hf_model))
+        else:
+            raise SpecgraftError(f"unknown backend '{backend}'; choose transformers or llamacpp")
 
     @classmethod
     def from_model(cls, hf_model, tokenizer, name: str = "custom") -> "Engine":
         self = cls.__new__(cls)
-        self._setup(hf_model, tokenizer, name, str(next(hf_model.parameters()).dtype).replace("torch.", ""))
+        self._setup(TargetBackend(hf_model), tokenizer, name, str(next(hf_model.parameters()).dtype).replace("torch.", ""),
+                    _eos(hf_model))
         return self
 
-    def _setup(self, hf_model, tok, name: str, dtype: str) -> None:
-        self.backend = TargetBackend(hf_model)
+    def _setup(self, backend: Backend, tok, name: str, dtype: str, eos: set[int]) -> None:
+        self.backend = backend
+        self.backend_name = backend.name
         self.tokenizer, self.model_name, self.dtype = tok, name, dtype
-        self.vocab_size = int(hf_model.get_output_embeddings().weight.shape[0])
-        eos = hf_model.generation_config.eos_token_id
-        eos = eos if isinstance(eos, list) else [eos]
-        self.eos_ids = {int(e) for e in [*eos, getattr(tok, "eos_token_id", None)] if e is not None}
+        self.vocab_size = backend.vocab_size
+        self.eos_ids = {*eos, *([tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else [])}
         self._drafters: dict[tuple, Drafter] = {}
         self._auto: dict[tuple, tuple[int, dict]] = {}
         self.active: list[Request] = []  # in cache-row order
@@ -162,8 +175,13 @@ class Engine:
     def drafter(self, method: str, **options) -> Drafter | None:
         """The cached prototype for ``method`` and ``options``; every request runs a :meth:`fork` of it."""
         options.pop("budget", None)
-        if method == "hf_assisted":  # not a drafter: load (and check) the assistant now, run HF's loop later
-            assistant(options.get("model", DEFAULTS[method]["model"]), self.dtype, self.vocab_size)
+        if method in REFERENCES:  # not a drafter: check now, run the library's own loop later
+            check_options(method, options)
+            need = "transformers" if method == "hf_assisted" else "llamacpp"
+            if self.backend_name != need:
+                raise SpecgraftError(f"{method} is an outside reference that runs on --backend {need} only")
+            if method == "hf_assisted":  # load (and check) the assistant now
+                assistant(options.get("model", DEFAULTS[method]["model"]), self.dtype, self.vocab_size)
             return None
         key = (method, tuple(sorted(options.items())))
         if key not in self._drafters:
@@ -192,7 +210,7 @@ class Engine:
         if drafter is None:
             drafter = self.drafter(method, **options)
             if drafter is None:
-                raise SpecgraftError("hf_assisted runs transformers' own loop: use Engine.generate or stream")
+                raise SpecgraftError(f"{method} runs its library's own loop: use Engine.generate or stream")
             drafter = drafter.fork()
         budget = DEFAULTS.get(method, {"budget": 0})["budget"] if budget is None else budget
         auto = None
@@ -219,7 +237,8 @@ class Engine:
         # A drafter's own ``model`` option (the draft model) is recorded as ``draft_model``: ``model`` is the target.
         opts = {**{k: v for k, v in DEFAULTS.get(method, {}).items() if k != "budget"},
                 **{k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in options.items()}}
-        return {"model": self.model_name, "dtype": self.dtype, "method": method, "budget": budget,
+        return {"model": self.model_name, "dtype": self.dtype, "backend": self.backend_name, "method": method,
+                "budget": budget,
                 **{("draft_model" if k == "model" else k): v for k, v in opts.items()},
                 "sampling": sampling.to_dict(), "max_new_tokens": max_new_tokens, "chat": chat,
                 "stop": list(stop), "verify": rule.spec, "lossy": rule.lossy,
@@ -401,8 +420,8 @@ class Engine:
 
         ``verify``: ``"lossless"`` (default) or an opt-in LOSSY rule ``"lossy:RULE:PARAM"`` (lossy/rules.py).
         Other requests in flight advance too; their outputs are kept in ``self.backlog``."""
-        if method == "hf_assisted":
-            return self._reference(prompt, sampling or SamplingParams(), max_new_tokens, stop, chat, verify,
+        if method in REFERENCES:
+            return self._reference(method, prompt, sampling or SamplingParams(), max_new_tokens, stop, chat, verify,
                                    method_options)
         req = self._prepare(prompt, method, sampling, max_new_tokens, stop, chat, budget, verify, None,
                             method_options)
@@ -425,26 +444,30 @@ class Engine:
                     stream.result = o.result
                     return
 
-    def _reference(self, prompt, sampling, max_new_tokens, stop, chat, verify, options) -> "Stream":
-        """transformers' own assisted generation: an outside reference, not a drafter of this loop."""
+    def _reference(self, method, prompt, sampling, max_new_tokens, stop, chat, verify, options) -> "Stream":
+        """A library's own speculative loop (transformers' assisted generation, llama-cpp-python's prompt
+        lookup): an outside reference, not a drafter of this loop."""
         rule = parse_rule(verify)
         if rule.lossy:
-            check_lossy(rule, "hf_assisted", options, sampling)
+            check_lossy(rule, method, options, sampling)
         if stop:
-            raise SpecgraftError("hf_assisted does not support stop strings")
-        check_options("hf_assisted", options)
-        model = options.get("model", DEFAULTS["hf_assisted"]["model"])
-        assistant(model, self.dtype, self.vocab_size)
+            raise SpecgraftError(f"{method} does not support stop strings")
+        self.drafter(method, **options)  # checks the options and the backend
+        opts = {**DEFAULTS[method], **options}
         ids = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else \
             self.encode(prompt, chat)
-        config = self._config("hf_assisted", options, 0, sampling, max_new_tokens, chat, stop, rule, None)
+        config = self._config(method, options, 0, sampling, max_new_tokens, chat, stop, rule, None)
         stream = Stream(iter(()))
 
         def pieces() -> Iterator[str]:
-            out, stats = hf_assisted(self, ids, sampling, max_new_tokens, model)
+            if method == "hf_assisted":
+                out, stats = hf_assisted(self, ids, sampling, max_new_tokens, opts["model"])
+            else:
+                out, stats = llama_pld(self, ids, sampling, max_new_tokens, opts["max_ngram_size"],
+                                       opts["num_pred_tokens"])
             text = self.tokenizer.decode(out, skip_special_tokens=True)
             yield text
-            stream.result = Generation(text, out, ids, stats, {**config, "drafter": {"method": "hf_assisted"}},
+            stream.result = Generation(text, out, ids, stats, {**config, "drafter": {"method": method}},
                                        "eos" if out and out[-1] in self.eos_ids else "length")
 
         stream._pieces = pieces()
@@ -468,6 +491,11 @@ class Stream:
         yield from self._pieces
 
 
+def _eos(hf_model) -> set[int]:
+    eos = hf_model.generation_config.eos_token_id
+    return {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
+
+
 def chat_ids(tokenizer, messages: list[dict], chat: bool = True, add_generation_prompt: bool = True) -> list[int]:
     """Token ids of a conversation: the chat template when the tokenizer has one, else turns joined by a blank
     line (base models)."""
@@ -481,9 +509,9 @@ _ENGINES: dict[tuple, Engine] = {}
 
 
 def generate(prompt: str, model: str = "smollm2-135m", method: str = "ar", dtype: str = "float32",
-             **kwargs) -> Generation:
-    """One-call API; the engine (model load) is cached per ``(model, dtype)`` within the process."""
-    key = (model, dtype)
+             backend: str = "transformers", **kwargs) -> Generation:
+    """One-call API; the engine (model load) is cached per ``(model, dtype, backend)`` within the process."""
+    key = (model, dtype, backend)
     if key not in _ENGINES:
-        _ENGINES[key] = Engine(model, dtype)
+        _ENGINES[key] = Engine(model, dtype, backend=backend)
     return _ENGINES[key].generate(prompt, method, **kwargs)

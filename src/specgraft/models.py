@@ -168,5 +168,43 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32"
     return model.eval(), tok
 
 
+def gguf_file(name_or_path: str, cache_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
+    """Registry name or local ``.gguf`` file -> ``(gguf, tokenizer_dir)`` for the llama.cpp backend.
+
+    A registry model's parts are assembled once (sha-checked, no dequantisation) into the cache, written to a
+    temporary name and renamed at the end; its Hugging Face tokenizer (read from the GGUF's metadata) is saved
+    beside it, so both backends tokenise identically."""
+    from transformers import AutoTokenizer
+
+    if not name_or_path or not name_or_path.strip():
+        raise SpecgraftError("empty model name")
+    if name_or_path in REGISTRY:
+        spec = REGISTRY[name_or_path]
+        root = cache_root(cache_dir) / "gguf"
+        gguf, tok_dir = root / f"{spec.name}.gguf", root / f"{spec.name}-tokenizer"
+        if not gguf.exists():
+            root.mkdir(parents=True, exist_ok=True)
+            print(f"specgraft: assembling {spec.name} GGUF in {gguf} (once)", file=sys.stderr)
+            fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{gguf.name}.", suffix=".tmp")
+            os.close(fd)
+            try:
+                _assemble_gguf(spec, Path(tmp))
+                os.replace(tmp, gguf)
+            finally:
+                Path(tmp).unlink(missing_ok=True)
+    else:
+        gguf = Path(name_or_path).expanduser()
+        if gguf.suffix != ".gguf" or not gguf.is_file():
+            raise SpecgraftError(f"unknown model '{name_or_path}' for the llama.cpp backend: use one of "
+                                 f"{', '.join(REGISTRY)}, or a local .gguf file")
+        tok_dir = cache_root(cache_dir) / "gguf" / f"{gguf.stem}-{hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:8]}-tokenizer"
+    if not (tok_dir / "tokenizer_config.json").exists():
+        tok_dir.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=tok_dir.parent, prefix=f".{tok_dir.name}.tmp") as tmp:
+            AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(Path(tmp) / "tok")
+            os.replace(Path(tmp) / "tok", tok_dir)
+    return gguf, tok_dir
+
+
 def clear_converted(name: str, cache_dir: str | os.PathLike | None = None) -> None:
     shutil.rmtree(cache_root(cache_dir) / "models" / name, ignore_errors=True)

@@ -1,4 +1,5 @@
-"""Outside reference: transformers' own assisted generation (``generate(assistant_model=...)``).
+"""Outside references: transformers' own assisted generation (``generate(assistant_model=...)``) and
+llama-cpp-python's own prompt lookup (``Llama(draft_model=LlamaPromptLookupDecoding(...))``).
 
 Not one of our drafters: it runs HF's loop (its draft length heuristic, its cache) on the same prompts,
 so a benchmark can show where our draft-model drafter stands against the library users already have.
@@ -68,5 +69,60 @@ def hf_assisted(engine, ids: list[int], sampling: SamplingParams, max_new_tokens
     steps = max(1, len(calls))  # every call verifies candidates, the first one included
     stats.steps = steps
     # HF does not report per-call acceptance: spread the tokens over the calls (integers summing to len(new)).
+    stats.committed = [len(new) // steps + (i < len(new) % steps) for i in range(steps)] if new else []
+    return new, stats
+
+
+_LLAMAS: dict[tuple, object] = {}
+
+
+def llama_pld(engine, ids: list[int], sampling: SamplingParams, max_new_tokens: int, max_ngram_size: int,
+              num_pred_tokens: int):
+    """llama-cpp-python's high-level ``Llama`` with its ``LlamaPromptLookupDecoding`` draft, on the engine's GGUF
+    (what a llama-cpp-python user would run); returns ``(token_ids, Stats)``. Its KV cache is reset before each
+    prompt (no prefix reuse across prompts: our engine prefills every prompt from scratch too). MAT = new tokens
+    / decode calls after the prompt's."""
+    if engine.backend_name != "llamacpp":
+        raise SpecgraftError("llama_pld is llama-cpp-python's own prompt lookup: run it with --backend llamacpp")
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    be = engine.backend
+    key = (str(be.model.path), max_ngram_size, num_pred_tokens)
+    if key not in _LLAMAS:
+        s = be.settings
+        _LLAMAS[key] = Llama(model_path=str(be.model.path), n_ctx=s.n_ctx, n_batch=s.n_batch, n_ubatch=s.n_ubatch,
+                             n_threads=s.n_threads or None, n_threads_batch=s.n_threads or None,
+                             flash_attn=s.flash_attn != 0,  # the backend's setting (llama.cpp's auto = on, on CPU)
+                             draft_model=LlamaPromptLookupDecoding(max_ngram_size, num_pred_tokens), verbose=False)
+    llm = _LLAMAS[key]
+    calls: list[int] = []
+    evaluate = type(llm).eval
+
+    def counted(tokens):
+        calls.append(len(tokens))
+        return evaluate(llm, tokens)
+
+    llm.eval = counted
+    llm.reset()
+    kw = {"temp": 0.0} if sampling.greedy else {
+        "temp": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or 0}
+    if not sampling.greedy and sampling.seed is not None:
+        llm.set_seed(sampling.seed)
+    t0 = time.perf_counter()
+    new: list[int] = []
+    try:
+        for tok in llm.generate(ids, reset=True, **kw):
+            new.append(int(tok))
+            if tok in engine.eos_ids or len(new) >= max_new_tokens:
+                break
+    finally:
+        del llm.eval
+    stats = Stats(method="llama_pld")
+    stats.total_s = time.perf_counter() - t0
+    stats.new_tokens = len(new)
+    prompt_calls = -(-len(ids) // llm.n_batch)
+    steps = max(1, len(calls) - prompt_calls)
+    stats.steps = steps
     stats.committed = [len(new) // steps + (i < len(new) % steps) for i in range(steps)] if new else []
     return new, stats

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from .core.drafter import Drafter, NoDraft
 from .core.sampling import TRUNCATION_KEYS, SamplingParams
 from .drafters.draft_model import DraftModelDrafter
@@ -41,7 +43,10 @@ DEFAULTS: dict[str, dict] = {
               "model": "qwen2.5-coder-0.5b", "top_k": "auto", "depth": "auto", "calibration": "auto", "rho": "auto"},
     # Outside reference, not a drafter: transformers' assisted generation with a draft model (reference.py).
     "hf_assisted": {"budget": 0, "model": "qwen2.5-coder-0.5b"},
+    # Outside reference on --backend llamacpp: llama-cpp-python's own prompt lookup (its defaults).
+    "llama_pld": {"budget": 0, "max_ngram_size": 2, "num_pred_tokens": 10},
 }
+REFERENCES = ("hf_assisted", "llama_pld")  # run their library's own loop, not ours
 METHODS = tuple(DEFAULTS)
 # Per-request keys a benchmark method entry may carry besides the method's options: the verification rule,
 # the truncation-sampling settings the rule is compared against, and a label for repeated configurations.
@@ -68,8 +73,8 @@ def make_drafter(method: str, vocab_size: int, dtype: str = "float32", target=No
     try:
         if method == "ar":
             return NoDraft()
-        if method == "hf_assisted":
-            raise SpecgraftError("hf_assisted runs transformers' own loop; use Engine.generate, not a drafter")
+        if method in REFERENCES:
+            raise SpecgraftError(f"{method} runs its library's own loop; use Engine.generate, not a drafter")
         if method == "pld":
             return PromptLookup(max_ngram=opts["max_ngram"])
         if method == "draft":
@@ -84,13 +89,20 @@ def make_drafter(method: str, vocab_size: int, dtype: str = "float32", target=No
 
 
 def _draft_model(model, vocab_size: int, dtype: str, shape: str, top_k: int, depth: int) -> DraftModelDrafter:
-    """``model``: a registry name, a local directory, or an already loaded ``nn.Module`` (tests)."""
+    """``model``: a registry name, a local directory (a ``.gguf`` file under ``dtype="gguf"``: the llama.cpp
+    backend), or an already loaded ``nn.Module`` / backend (tests)."""
     if isinstance(model, str):
         label = model
-        model, _ = load(model, dtype)
+        if dtype == "gguf":
+            from .backends import llamacpp_backend
+
+            model = llamacpp_backend(model)[0]
+        else:
+            model, _ = load(model, dtype)
     else:
         label = type(model).__name__
-    draft_vocab = int(model.get_output_embeddings().weight.shape[0])
+    draft_vocab = model.vocab_size if not isinstance(model, torch.nn.Module) else \
+        int(model.get_output_embeddings().weight.shape[0])
     if draft_vocab != vocab_size:
         raise SpecgraftError(f"draft model '{label}' has a vocabulary of {draft_vocab} tokens but the target has "
                              f"{vocab_size}; a draft model must share the target's tokenizer")
@@ -107,6 +119,10 @@ def _eagle(head, target, target_name: str, top_k: int, depth: int) -> EagleDraft
     """``head``: "auto" (the head shipped for the target), a checkpoint directory, or a loaded head (tests)."""
     if target is None:
         raise SpecgraftError("method 'eagle' needs the target model (use Engine.drafter)")
+    if not isinstance(target, torch.nn.Module):
+        raise SpecgraftError("EAGLE-3 heads read the target's hidden states, which the llama.cpp backend does not "
+                             "expose: use --backend transformers for eagle, or graft/prune with --opt "
+                             "drafter=draft-tree / draft-chain")
     if isinstance(head, Eagle3Head):
         return EagleDrafter(head, "custom", top_k, depth)
     path = shipped_head(target_name) if head == "auto" else head
@@ -212,7 +228,7 @@ def check_lossy(rule: Rule, method: str, options: dict, sampling: SamplingParams
     on candidates that do not carry it."""
     if sampling.greedy:
         raise SpecgraftError(f"{rule.spec} needs sampling (temperature > 0); greedy verification has no lossy rules")
-    if method in ("ar", "hf_assisted"):
+    if method in ("ar", *REFERENCES):
         raise SpecgraftError(f"{rule.spec} needs a speculative method, not '{method}'")
     # Graft-TAIL chains carry one-hot q for retrieved tokens: mixing rules (cos, interp, cap) would accept
     # those with probability >= 1 - lam whatever the target says, so they need a sampled draft chain.

@@ -20,6 +20,7 @@ def bench(
     methods: Optional[str] = typer.Option(None, help="';'-separated, e.g. 'pld;recycle:budget=16'. AR is always added."),
     model: Optional[str] = typer.Option(None, "--model", "-m"),
     dtype: Optional[str] = typer.Option(None),
+    backend: Optional[str] = typer.Option(None, help="transformers (default) or llamacpp (the GGUF on llama.cpp)."),
     limit: Optional[int] = typer.Option(None, help="First N prompts (after --stride and --categories)."),
     stride: Optional[int] = typer.Option(None, help="Take every K-th prompt (10 on MT-Bench = one per category)."),
     categories: Optional[str] = typer.Option(None, help="Comma-separated categories to keep."),
@@ -41,7 +42,7 @@ def bench(
     from ..eval.report import load, markdown
 
     cfg = BenchConfig.from_toml(config) if config else BenchConfig()
-    for name, val in (("model", model), ("dtype", dtype), ("max_new_tokens", max_new_tokens), ("warmup", warmup),
+    for name, val in (("model", model), ("dtype", dtype), ("backend", backend), ("max_new_tokens", max_new_tokens), ("warmup", warmup),
                       ("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("score", score)):
         if val is not None:
             setattr(cfg, name, val)
@@ -68,7 +69,7 @@ def bench(
     expand_methods(cfg.methods)  # fail on bad methods before loading a model
     if cfg.max_new_tokens < 1:
         raise SpecgraftError("--max-new-tokens must be >= 1")
-    out = out or f"runs/bench-{cfg.model.replace('/', '_')}-{cfg.dtype}.jsonl"
+    out = out or f"runs/bench-{cfg.model.replace('/', '_')}-{cfg.dtype if cfg.backend == 'transformers' else cfg.backend}.jsonl"
     quiet_transformers()
     with Progress() as bar:
         task = bar.add_task("bench", total=None)
@@ -142,6 +143,7 @@ def batch_cmd(
     methods: str = typer.Option("ar;graft:budget=7", help="';'-separated methods with options (as in bench)."),
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
     dtype: str = typer.Option("bfloat16"),
+    backend: str = typer.Option("transformers", help="transformers or llamacpp (the GGUF on llama.cpp)."),
     prompts: str = typer.Option("humaneval", help="Dataset or .jsonl/.txt file (first turns)."),
     limit: int = typer.Option(8, help="Number of prompts (all batch sizes decode the same ones)."),
     stride: int = typer.Option(1),
@@ -170,7 +172,7 @@ def batch_cmd(
         sizes = [1, *sizes]  # the single-request outputs are the reference
     items = load_dataset(prompts, limit=limit, stride=stride)
     quiet_transformers()
-    engine = Engine(model, dtype)
+    engine = Engine(model, dtype, backend=backend)
     ids = [engine.encode(it.turns[0]) for it in items]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with Progress() as bar:

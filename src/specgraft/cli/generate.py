@@ -62,6 +62,8 @@ def generate(
                                        "default: the head shipped for --model."),
     eagle_top_k: Optional[int] = typer.Option(None, help="eagle: children per expanded node (EAGLE's top_k)."),
     eagle_depth: Optional[int] = typer.Option(None, help="eagle: expansion levels after the first (EAGLE's depth)."),
+    backend: str = typer.Option("transformers", help="transformers (the HF model, --dtype) or llamacpp (the GGUF "
+                                "itself on llama.cpp: needs specgraft[llamacpp]; --dtype is ignored; no EAGLE)."),
     cache_dir: Optional[str] = typer.Option(None, help="Where converted models live (default: user cache)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON record instead of streaming text."),
 ) -> None:
@@ -99,10 +101,10 @@ def generate(
             raise SpecgraftError(f"{rule.spec}: --method auto chooses among lossless methods only; name the method")
         check_lossy(rule, method, opts, sampling)
         print(f"warning: {rule.spec} is LOSSY: the output does not follow the target distribution", file=sys.stderr)
-    if compare and method in ("ar", "hf_assisted"):
+    if compare and method in ("ar", "hf_assisted", "llama_pld"):
         raise SpecgraftError(f"--compare compares a speculative method with AR, not '{method}' (try --method auto)")
     quiet_transformers()
-    engine = Engine(model, dtype, cache_dir)
+    engine = Engine(model, dtype, cache_dir, backend=backend)
     choice = None
     if auto:
         engine.encode(prompt, chat)  # a bad prompt fails before any latency measurement

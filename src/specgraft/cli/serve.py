@@ -20,6 +20,7 @@ def serve(
     budget: Optional[str] = typer.Option(None, help="Default tree budget (or 'auto')."),
     opt: list[str] = typer.Option([], help="Default method option KEY=VALUE (repeatable)."),
     dtype: str = typer.Option("bfloat16", help="float32 (exact reference) or bfloat16 (2-3x faster on CPU)."),
+    backend: str = typer.Option("transformers", help="transformers or llamacpp (the GGUF on llama.cpp; no EAGLE)."),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000),
     max_num_seqs: int = typer.Option(8, help="Requests verified together in one batched forward."),
@@ -46,7 +47,7 @@ def serve(
 
         run_ray(dict(model=model, dtype=dtype, method=method, budget=budget_v, opts=opts, name=served_model_name,
                      max_num_seqs=max_num_seqs, max_queue=max_queue, timeout=request_timeout,
-                     max_tokens=max_tokens, cache_dir=cache_dir, batch_budget=batch_budget), replicas, num_cpus, max_replicas, host, port)
+                     max_tokens=max_tokens, cache_dir=cache_dir, batch_budget=batch_budget, backend=backend), replicas, num_cpus, max_replicas, host, port)
         return
     import uvicorn
 
@@ -54,7 +55,7 @@ def serve(
 
     quiet_transformers()
     server = build_server(model, dtype, method, budget_v, opts, served_model_name, max_num_seqs, max_queue,
-                          request_timeout, max_tokens, cache_dir, batch_budget)
+                          request_timeout, max_tokens, cache_dir, batch_budget, backend)
     print(f"serving {server.name} ({server.method}) on http://{host}:{port}  (playground: /, metrics: /metrics)",
           file=sys.stderr)
     try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
@@ -36,6 +37,48 @@ from .tree import Tree
 class VerifyOutput:
     logits: torch.Tensor  # [W, V] in the model dtype (rules upcast where they need to)
     hidden: dict[int, torch.Tensor] | None  # layer index -> [W, H], when asked
+
+
+class Backend(Protocol):
+    """What the engine and the drafters with their own model need from a backend (transformers: this module;
+    llama.cpp: ``specgraft.backends.llamacpp``). Rows are requests; each holds exactly its committed prefix."""
+
+    name: str
+    lengths: list[int]
+    max_positions: int
+    vocab_size: int
+
+    @property
+    def rows(self) -> int: ...
+
+    @property
+    def prefix_len(self) -> int: ...
+
+    def clone(self) -> "Backend":
+        """An empty backend on the same weights."""
+        ...
+
+    def reset(self) -> None: ...
+
+    def add(self, ids: torch.Tensor, all_logits: bool | torch.Tensor = False,
+            hidden_layers: tuple[int, ...] = ()) -> "VerifyOutput": ...
+
+    def prefill(self, ids: torch.Tensor, all_logits: bool = False,
+                hidden_layers: tuple[int, ...] = ()) -> "VerifyOutput": ...
+
+    def remove(self, row: int) -> None: ...
+
+    def verify_batch(self, trees: list[Tree], hidden_layers: tuple[int, ...] = ()) -> list["VerifyOutput"]: ...
+
+    def commit_batch(self, accepted: list[list[int]]) -> None: ...
+
+    def verify(self, tree: Tree, hidden_layers: tuple[int, ...] = ()) -> "VerifyOutput": ...
+
+    def commit(self, accepted: list[int]) -> None: ...
+
+    def extend(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor: ...
+
+    def truncate(self, length: int) -> None: ...
 
 
 def check_tree_support(config) -> None:
@@ -54,6 +97,7 @@ def cache_keyword(model: torch.nn.Module) -> str:
 
 
 class TargetBackend:
+    name = "transformers"
     def __init__(self, model: torch.nn.Module):
         check_tree_support(model.config)
         self.model = model.eval()
@@ -61,7 +105,12 @@ class TargetBackend:
         self.neg = torch.finfo(self.dtype).min
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self._cache_kw = cache_keyword(model)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.reset()
+
+    def clone(self) -> "TargetBackend":
+        """An empty backend on the same weights (a drafter's own cache)."""
+        return TargetBackend(self.model)
 
     def reset(self) -> None:
         self.cache: DynamicCache | None = None

@@ -4,7 +4,8 @@ Greedy decoding drafts the argmax chain (verified by matching). Under sampling i
 ``q`` = the draft's distribution after the *same* processing as the target's and passes ``q`` along, so
 the loop verifies with chain speculative sampling (``min(1, p/q)``, residual ``(p - q)+``).
 
-The draft keeps its own KV cache of the committed prefix (a second :class:`TargetBackend`): each step
+The draft keeps its own KV cache of the committed prefix (a second backend of the target's kind: transformers or
+llama.cpp): each step
 first feeds the tokens it has not seen (the accepted ones and the new root), then drafts; ``observe``
 rolls the cache back to what the target accepted, so nothing is recomputed that is still valid::
 
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-from ..core.backend import TargetBackend
+from ..core.backend import Backend, TargetBackend
 from .dynamic_tree import Candidates, Gate, candidates_tree, expand_topk
 from ..core.sampling import make_generator, target_probs
 from ..core.tree import SOURCE_DRAFT, Tree, path_to
@@ -33,13 +34,13 @@ class DraftModelDrafter:
     needs_prefill_logits = False
     hidden_layers = ()
 
-    def __init__(self, model: torch.nn.Module, label: str = "custom", shape: str = "chain", top_k: int = 8,
+    def __init__(self, model: torch.nn.Module | Backend, label: str = "custom", shape: str = "chain", top_k: int = 8,
                  depth: int = 5):
         if shape not in ("chain", "tree"):
             raise ValueError(f"draft shape must be 'chain' or 'tree', got {shape!r}")
         if not (isinstance(top_k, int) and top_k >= 1 and isinstance(depth, int) and depth >= 0):
             raise ValueError("draft tree needs integer top_k >= 1 and depth >= 0")
-        self.backend = TargetBackend(model)
+        self.backend = TargetBackend(model) if isinstance(model, torch.nn.Module) else model
         self.label, self.shape, self.top_k, self.depth = label, shape, top_k, depth
         self.cached = 0  # positions of ctx.ids that the draft cache holds
         self.base = 0  # len(ctx.ids) at the last proposal
@@ -50,7 +51,7 @@ class DraftModelDrafter:
 
     def fork(self) -> "DraftModelDrafter":
         c = copy.copy(self)  # shares the draft model; its cache and generator are per request
-        c.backend = TargetBackend(self.backend.model)
+        c.backend = self.backend.clone()
         c.cached = c.base = c.drafted = c.forwards = 0
         c.gen, c.forward_s = None, 0.0
         return c

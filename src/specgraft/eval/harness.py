@@ -60,6 +60,7 @@ WARMUP_PROMPT = "List four uses of a paperclip, one per line, then say which is 
 class BenchConfig:
     model: str = "smollm2-135m"
     dtype: str = "bfloat16"
+    backend: str = "transformers"  # or "llamacpp": the GGUF on llama.cpp (dtype is then the GGUF's own)
     max_new_tokens: int = 128
     warmup: int = 1
     seeds: list[int] = field(default_factory=lambda: [0])
@@ -226,7 +227,8 @@ def make_record(cfg: BenchConfig, env: dict, dataset: str, item: Item, spec: Met
         "schema": SCHEMA_VERSION, "dataset": dataset, "prompt_id": item.id, "category": item.category,
         "turn": turn, "n_turns": len(item.turns), "seed": seed, "label": spec.label, "method": spec.method,
         "spec": spec.describe(),
-        "method_config": g.config, "model": cfg.model, "dtype": cfg.dtype, "max_new_tokens": cfg.max_new_tokens,
+        "method_config": g.config, "model": cfg.model, "dtype": g.config["dtype"], "backend": g.config.get("backend", "transformers"),
+        "max_new_tokens": cfg.max_new_tokens,
         "sampling": g.config["sampling"], "greedy": cfg.temperature == 0.0,
         "verify": g.config.get("verify", "lossless"), "lossy": bool(g.config.get("lossy", False)),
         "machine": {k: env[k] for k in ("cpu", "cores", "threads")},
@@ -259,7 +261,7 @@ def run_harness(cfg: BenchConfig, out_path: str, progress=None, log=print, engin
     complete, dropped = repair_for_resume(out_path) if Path(out_path).exists() else (set(), 0)
     if complete or dropped:
         log(f"resume: {len(complete)} conversations already recorded; {dropped} incomplete line(s) dropped")
-    engine = engine or Engine(cfg.model, cfg.dtype)
+    engine = engine or Engine(cfg.model, cfg.dtype, backend=cfg.backend)
     env = environment()
     for spec in specs:
         engine.drafter(spec.method, **spec.options)

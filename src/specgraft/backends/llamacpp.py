@@ -1,0 +1,361 @@
+"""llama.cpp target backend: the same verify / commit contract as the transformers one, on a GGUF model.
+
+It drives llama-cpp-python's low-level API (one ``llama_context`` with a unified KV cache). A tree is verified
+in ONE ``llama_decode``: every node is a batch token at position ``P + depth``, and llama.cpp's attention mask
+comes from *sequence ids*, not from a mask we pass, so each node carries the ids of the leaves below it::
+
+    tree (root r):      r              seq ids:  r  {0, 7, 8}     (0 = the row's home sequence,
+                       / \\                      a  {0, 7}          7 and 8 borrowed for this step)
+                      a   b                      b  {8}
+                     / \\                        c  {0}
+                    c   d                        d  {7}
+
+llama.cpp lets a token see the cached cells of its *first* sequence id at positions <= its own. Each leaf's
+sequence is exactly prefix + its root-to-leaf path, so a node sees the committed prefix, its ancestors and
+itself, as the transformers backend's tree mask does. Before the decode every borrowed sequence gets the
+prefix (``seq_cp`` adds an id to cells; nothing is copied). Commit keeps one leaf sequence that holds the
+accepted path, renames it to the row's home sequence, drops everything else (``seq_rm``) and trims the tail
+past the accepted nodes, so the next step sees exactly prefix + accepted tokens.
+
+Rejected nodes that sit before the last accepted one (a batch fills cells in order) are not freed: their cells
+move to the row's *ballast* sequence, which no token ever attends to (those after it are freed: the holes are at
+the end). Freed cells would be reused by the next tokens, placing a token's cell before cells of earlier positions;
+attention then sums in another order, and on quantised weights (activations re-quantised to 8 bits at every
+matmul) that reordering moves logits by up to ~1 (measured; docs/backends.md). Kept in place, every step
+reads its cells in the order llama.cpp AR would, so verification logits equal AR's bit for bit wherever the
+kernels are batch-shape invariant. For the same reason a row that leaves while others remain hands its cells
+to a shared *graveyard* sequence instead of freeing them (its cells may sit before another row's newest ones).
+Ballast and graveyard are freed when no row is left, or when either exceeds a quarter of the cache (from then
+on the rows still running are exact only up to that noise).
+
+Rows (requests) each own a home and a ballast sequence; the borrowed ids of a step come from one pool of
+``LLAMA_MAX_SEQ`` = 256, so the leaves of all trees in one step must fit in it. Hidden states are not
+exposed (EAGLE heads stay on the transformers backend; docs/backends.md says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..core.backend import VerifyOutput
+from ..core.tree import Tree
+from ..errors import SpecgraftError
+
+MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ
+GRAVE = MAX_SEQ - 1  # the graveyard sequence: cells of rows that left while others ran (never borrowed)
+
+
+def import_llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as err:
+        raise SpecgraftError("the llama.cpp backend needs llama-cpp-python: pip install 'specgraft[llamacpp]' (build it "
+                             "with the CMAKE_ARGS in the README)") from err
+    return llama_cpp
+
+
+_LOG_CB = None
+
+
+def _quiet(lc) -> None:
+    """Route llama.cpp's log to stderr at error level only (it prints every tensor at load otherwise)."""
+    global _LOG_CB
+    if _LOG_CB is None:
+        @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+        def cb(level, text, _user):
+            if level == 4 and os.environ.get("SPECGRAFT_LLAMA_LOG") is None:  # GGML_LOG_LEVEL_ERROR
+                sys.stderr.write(text.decode(errors="replace"))
+            elif os.environ.get("SPECGRAFT_LLAMA_LOG"):
+                sys.stderr.write(text.decode(errors="replace"))
+
+        _LOG_CB = cb
+        lc.llama_log_set(_LOG_CB, None)
+        lc.llama_backend_init()
+
+
+@dataclass(frozen=True)
+class LlamaSettings:
+    """Context settings (docs/backends.md measures them here)."""
+
+    n_ctx: int = 8192  # cells shared by every row (unified KV), rejected tree nodes' ballast included
+    n_batch: int = 512  # tokens per llama_decode call (prefill is chunked by it)
+    n_ubatch: int = 512
+    n_threads: int = 0  # 0: every core
+    flash_attn: int = -1  # -1 auto, 0 off, 1 on
+
+
+class LlamaModel:
+    """Loaded GGUF weights, shared by every context (backend) made from them."""
+
+    def __init__(self, path: Path, settings: LlamaSettings = LlamaSettings()):
+        self.lc = lc = import_llama_cpp()
+        _quiet(lc)
+        params = lc.llama_model_default_params()
+        params.n_gpu_layers = 0
+        self.path, self.settings = Path(path), settings
+        self.ptr = lc.llama_model_load_from_file(str(path).encode(), params)
+        if not self.ptr:
+            raise SpecgraftError(f"llama.cpp could not load '{path}'")
+        vocab = lc.llama_model_get_vocab(self.ptr)
+        self.vocab_size = int(lc.llama_vocab_n_tokens(vocab))
+        self.eos_ids = {int(t) for t in (lc.llama_vocab_eos(vocab), lc.llama_vocab_eot(vocab)) if t >= 0}
+        self.n_ctx_train = int(lc.llama_model_n_ctx_train(self.ptr))
+
+    def __del__(self):
+        if getattr(self, "ptr", None):
+            self.lc.llama_model_free(self.ptr)
+            self.ptr = None
+
+
+class LlamaCppBackend:
+    """B rows over one llama.cpp context; the interface of :class:`specgraft.core.backend.TargetBackend`."""
+
+    name = "llamacpp"
+    dtype = torch.float32  # llama.cpp returns fp32 logits whatever the weights' quantisation
+
+    def __init__(self, model: LlamaModel, settings: LlamaSettings | None = None):
+        lc, self.model, self.lc = model.lc, model, model.lc
+        s = self.settings = settings or model.settings
+        params = lc.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = s.n_ctx, s.n_batch, s.n_ubatch
+        params.n_seq_max = MAX_SEQ
+        params.kv_unified = True  # every sequence's cells in one buffer: a shared prefix is stored once
+        params.flash_attn_type = s.flash_attn
+        threads = s.n_threads or os.cpu_count() or 1
+        params.n_threads = params.n_threads_batch = threads
+        self.ctx = lc.llama_init_from_model(model.ptr, params)
+        if not self.ctx:
+            raise SpecgraftError("llama.cpp could not create a context (out of memory?)")
+        self.mem = lc.llama_get_memory(self.ctx)
+        self.vocab_size = model.vocab_size
+        self.max_positions = min(s.n_ctx, model.n_ctx_train or s.n_ctx)
+        self._batch = lc.llama_batch_init(s.n_batch, 0, MAX_SEQ)
+        self.reset()
+
+    def __del__(self):
+        lc = getattr(self, "lc", None)
+        if lc is not None and getattr(self, "ctx", None):
+            lc.llama_batch_free(self._batch)
+            lc.llama_free(self.ctx)
+            self.ctx = None
+
+    def clone(self) -> "LlamaCppBackend":
+        """An empty backend on the same weights (a drafter's own cache)."""
+        return LlamaCppBackend(self.model, self.settings)
+
+    def reset(self) -> None:
+        self.lc.llama_memory_clear(self.mem, True)
+        self.lengths: list[int] = []
+        self.home: list[int] = []  # each row's sequence id: exactly its committed prefix
+        self.ballast: list[int] = []  # each row's sequence id holding its rejected tree nodes' cells
+        self._ballast_cells: list[int] = []
+        self._free = list(range(GRAVE - 1, -1, -1))  # pop() hands out the lowest id first
+        self._grave_cells = 0
+        # per row, of the last verify: (a sequence through each node, the borrowed ids, each node's depth)
+        self._steps: list[tuple[list[int], list[int], list[int]]] = []
+        self._spec: list[tuple[int, int]] = []  # extend(): (sequence, position) of each speculative node
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        return max(self.lengths, default=0)
+
+    @property
+    def prefix_len(self) -> int:
+        if self.rows != 1:
+            raise ValueError(f"prefix_len needs exactly one row, the cache has {self.rows}")
+        return self.lengths[0]
+
+    # -- llama.cpp calls ------------------------------------------------------------------------------------
+    def _borrow(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise SpecgraftError(f"llama.cpp backend: this step needs {n} more sequence ids than the {len(self._free)} "
+                                 f"free of {MAX_SEQ} (trees with fewer leaves, or fewer requests at once)")
+        return [self._free.pop() for _ in range(n)]
+
+    def _release(self, seqs) -> None:
+        for s in seqs:
+            self.lc.llama_memory_seq_rm(self.mem, s, -1, -1)
+            self._free.append(s)
+
+    def _decode(self, tokens, positions, seqs: list[list[int]], outputs) -> torch.Tensor:
+        """One ``llama_decode`` over ``n <= n_batch`` tokens; logits ``[sum(outputs), V]`` (fp32)."""
+        n, b = len(tokens), self._batch
+        b.n_tokens = n
+        np.ctypeslib.as_array(b.token, shape=(n,))[:] = tokens
+        np.ctypeslib.as_array(b.pos, shape=(n,))[:] = positions
+        np.ctypeslib.as_array(b.logits, shape=(n,))[:] = outputs
+        counts = np.ctypeslib.as_array(b.n_seq_id, shape=(n,))
+        for i, ids in enumerate(seqs):
+            counts[i] = len(ids)
+            row = b.seq_id[i]
+            for j, s in enumerate(ids):
+                row[j] = s
+        rc = self.lc.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with status {rc} ({'no KV cell free: raise n_ctx' if rc == 1 else 'see the llama.cpp log'})")
+        k = int(np.count_nonzero(outputs))
+        if k == 0:
+            return torch.empty(0, self.vocab_size)
+        ptr = self.lc.llama_get_logits(self.ctx)
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(k, self.vocab_size)).copy())
+
+    # -- rows joining and leaving ---------------------------------------------------------------------------
+    def add(self, ids: torch.Tensor, all_logits: bool | torch.Tensor = False,
+            hidden_layers: tuple[int, ...] = ()) -> VerifyOutput:
+        """Prefill ``ids: [T]`` (in ``n_batch`` chunks) as a new last row; logits as the transformers backend's."""
+        _no_hidden(hidden_layers)
+        toks = ids.tolist()
+        t = len(toks)
+        if t + 1 > self.max_positions:
+            raise SpecgraftError(f"prompt too long: {t} tokens for a llama.cpp context of {self.max_positions}")
+        want = np.zeros(t, dtype=np.int8)
+        if isinstance(all_logits, torch.Tensor):
+            want[all_logits.numpy()] = 1
+        elif all_logits:
+            want[:] = 1
+        else:
+            want[-1] = 1
+        home, ballast = self._borrow(2)
+        chunks, step = [], self.settings.n_batch
+        try:
+            for a in range(0, t, step):
+                chunks.append(self._decode(toks[a: a + step], np.arange(a, min(t, a + step)),
+                                           [[home]] * min(step, t - a), want[a: a + step]))
+        except Exception:
+            self._release([home, ballast])
+            raise
+        self.home.append(home)
+        self.ballast.append(ballast)
+        self._ballast_cells.append(0)
+        self.lengths.append(t)
+        self._steps.append(([], [], []))
+        return VerifyOutput(torch.cat(chunks), None)
+
+    def prefill(self, ids: torch.Tensor, all_logits: bool = False, hidden_layers: tuple[int, ...] = ()) -> VerifyOutput:
+        self.reset()
+        return self.add(ids, all_logits, hidden_layers)
+
+    def remove(self, row: int) -> None:
+        home, ballast = self.home[row], self.ballast[row]
+        if self.rows > 1:  # others run on: keep the cells in place (module docstring)
+            cells = self.lengths[row] + self._ballast_cells[row]
+            if self._grave_cells + cells > self.settings.n_ctx // 4:
+                self.lc.llama_memory_seq_rm(self.mem, GRAVE, -1, -1)
+                self._grave_cells = 0
+            self.lc.llama_memory_seq_cp(self.mem, home, GRAVE, -1, -1)
+            self.lc.llama_memory_seq_cp(self.mem, ballast, GRAVE, -1, -1)
+            self._grave_cells += cells
+        else:
+            self.lc.llama_memory_seq_rm(self.mem, GRAVE, -1, -1)
+            self._grave_cells = 0
+        self._release([home, ballast, *self._steps[row][1]])
+        del self.lengths[row], self.home[row], self.ballast[row], self._ballast_cells[row], self._steps[row]
+
+    # -- one verification step for every row ----------------------------------------------------------------
+    def verify_batch(self, trees: list[Tree], hidden_layers: tuple[int, ...] = ()) -> list[VerifyOutput]:
+        _no_hidden(hidden_layers)
+        if len(trees) != self.rows:
+            raise ValueError(f"{len(trees)} trees for {self.rows} cache rows")
+        toks, pos, seqs, sizes = [], [], [], []
+        for i, t in enumerate(trees):
+            node_seqs, borrowed = self._assign(i, t)
+            toks += t.tokens.tolist()
+            pos += (t.depth + self.lengths[i]).tolist()
+            seqs += node_seqs
+            sizes.append(t.size)
+        if len(toks) > self.settings.n_batch:
+            raise SpecgraftError(f"llama.cpp backend: {len(toks)} tree nodes in one step exceed n_batch "
+                                 f"{self.settings.n_batch}")
+        logits = self._decode(toks, pos, seqs, np.ones(len(toks), dtype=np.int8))
+        return [VerifyOutput(x, None) for x in logits.split(sizes)]
+
+    def _assign(self, row: int, tree: Tree) -> tuple[list[list[int]], list[int]]:
+        """Give every leaf a sequence (the home one first) holding the prefix; a node's ids = its leaves'."""
+        kids = tree.children
+        leaves = [n for n in range(tree.size) if not kids[n]]
+        home = self.home[row]
+        borrowed = self._borrow(len(leaves) - 1)
+        for s in borrowed:
+            self.lc.llama_memory_seq_cp(self.mem, home, s, -1, -1)
+        node_seqs: list[list[int]] = [[] for _ in range(tree.size)]
+        parents = tree.parent_list
+        for leaf, s in zip(leaves, [home, *borrowed]):
+            n = leaf
+            while n >= 0:
+                node_seqs[n].append(s)
+                n = parents[n]
+        self._steps[row] = ([ns[0] for ns in node_seqs], borrowed, tree.depth.tolist())
+        return node_seqs, borrowed
+
+    def commit_batch(self, accepted: list[list[int]]) -> None:
+        """Per row, keep the root and the accepted path (node indices, root first); drop the other nodes."""
+        for i, acc in enumerate(accepted):
+            first, borrowed, depth = self._steps[i]
+            home, keep = self.home[i], first[acc[-1]]  # a leaf sequence through the last accepted node
+            holes = sorted(set(range(acc[-1])) - set(acc))  # rejected nodes before the last accepted one
+            if holes:  # their cells stay, as ballast (module docstring)
+                if self._ballast_cells[i] + len(holes) > self.settings.n_ctx // 4:
+                    self.lc.llama_memory_seq_rm(self.mem, self.ballast[i], -1, -1)
+                    self._ballast_cells[i] = 0
+                for n in holes:  # a leaf sequence holds one node per position: (sequence, position) is its cell
+                    pos = self.lengths[i] + depth[n]
+                    self.lc.llama_memory_seq_cp(self.mem, first[n], self.ballast[i], pos, pos + 1)
+                self._ballast_cells[i] += len(holes)
+            self._release([s for s in borrowed if s != keep])
+            if keep != home:  # home leaves the tree's cells, then joins the kept path's
+                start = self.lengths[i]
+                self.lc.llama_memory_seq_rm(self.mem, home, start, -1)
+                self.lc.llama_memory_seq_cp(self.mem, keep, home, start, -1)
+                self._release([keep])
+            self.lengths[i] += len(acc)
+            self.lc.llama_memory_seq_rm(self.mem, home, self.lengths[i], -1)
+            self._steps[i] = ([], [], [])
+
+    # -- the single-sequence API (one row: a draft model's own cache, the latency probe) ---------------------
+    def verify(self, tree: Tree, hidden_layers: tuple[int, ...] = ()) -> VerifyOutput:
+        return self.verify_batch([tree], hidden_layers)[0]
+
+    def commit(self, accepted: list[int]) -> None:
+        self.commit_batch([accepted])
+
+    def extend(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Append ``n`` speculative nodes; ``visible: bool[n, A + n]`` over the ``A`` appended before and the new
+        ones (a new node may see only itself among the new ones). Each node gets its own sequence: the prefix
+        plus the cells of the earlier nodes it sees."""
+        a, n = len(self._spec), int(tokens.shape[0])
+        if visible[:, a:].ne(torch.eye(n, dtype=torch.bool)).any():
+            raise ValueError("llama.cpp extend: a new node may see only itself among the nodes appended with it")
+        home, new = self.home[0], self._borrow(n)
+        for j, s in enumerate(new):
+            self.lc.llama_memory_seq_cp(self.mem, home, s, -1, -1)
+            for k in visible[j, :a].nonzero().flatten().tolist():
+                ks, kp = self._spec[k]
+                self.lc.llama_memory_seq_cp(self.mem, ks, s, kp, kp + 1)
+        pos = positions.tolist()
+        logits = self._decode(tokens.tolist(), pos, [[s] for s in new], np.ones(n, dtype=np.int8))
+        self._spec += list(zip(new, pos))
+        return logits
+
+    def truncate(self, length: int) -> None:
+        """Drop every speculative node (extend's, an uncommitted verify's) and cached positions from ``length`` on."""
+        self._release([s for s, _ in self._spec] + self._steps[0][1])
+        self._spec, self._steps[0] = [], ([], [], [])
+        self.lc.llama_memory_seq_rm(self.mem, self.home[0], length, -1)
+        self.lengths[0] = min(self.prefix_len, length)
+
+
+def _no_hidden(layers) -> None:
+    if layers:
+        raise SpecgraftError("the llama.cpp backend does not expose hidden states (EAGLE-3 heads need them); "
+                             "use --backend transformers for eagle and graft on the EAGLE head")
