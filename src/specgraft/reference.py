@@ -74,6 +74,7 @@ def hf_assisted(engine, ids: list[int], sampling: SamplingParams, max_new_tokens
 
 
 _LLAMAS: dict[tuple, object] = {}
+LLAMA_PLD_CTX = 2048  # llama_pld's context: prompt + new tokens (its score buffer is this x vocab floats)
 
 
 def llama_pld(engine, ids: list[int], sampling: SamplingParams, max_new_tokens: int, max_ngram_size: int,
@@ -91,11 +92,18 @@ def llama_pld(engine, ids: list[int], sampling: SamplingParams, max_new_tokens: 
     key = (str(be.model.path), max_ngram_size, num_pred_tokens)
     if key not in _LLAMAS:
         s = be.settings
-        _LLAMAS[key] = Llama(model_path=str(be.model.path), n_ctx=s.n_ctx, n_batch=s.n_batch, n_ubatch=s.n_ubatch,
+        # logits_all=True explicitly: with a draft model Llama computes every position's logits but sizes its
+        # score buffer by logits_all as passed (n_batch rows), so prompts past n_batch tokens would fail; the
+        # buffer is n_ctx x vocab floats, hence a smaller context than the backend's.
+        _LLAMAS[key] = Llama(model_path=str(be.model.path), n_ctx=min(s.n_ctx, LLAMA_PLD_CTX), logits_all=True,
+                             n_batch=s.n_batch, n_ubatch=s.n_ubatch,
                              n_threads=s.n_threads or None, n_threads_batch=s.n_threads or None,
                              flash_attn=s.flash_attn != 0,  # the backend's setting (llama.cpp's auto = on, on CPU)
                              draft_model=LlamaPromptLookupDecoding(max_ngram_size, num_pred_tokens), verbose=False)
     llm = _LLAMAS[key]
+    if len(ids) + max_new_tokens > llm.n_ctx():
+        raise SpecgraftError(f"llama_pld: {len(ids)} prompt + {max_new_tokens} new tokens exceed its context of "
+                             f"{llm.n_ctx()}")
     calls: list[int] = []
     evaluate = type(llm).eval
 
