@@ -42,8 +42,8 @@ def assert_greedy_equal(engine, ref, out, label="") -> bool:
     assert i is not None, f"{label}: one output is a prefix of the other (lengths {len(ref.token_ids)}, " \
                           f"{len(out.token_ids)})"
     with torch.no_grad():
-        ids = torch.tensor([ref.prompt_ids + ref.token_ids[:i]])
-        logits = engine.backend.model(input_ids=ids).logits[0, -1].float()
+        ids = torch.tensor([ref.prompt_ids + ref.token_ids[:i]], device=engine.backend.device)
+        logits = engine.backend.model(input_ids=ids).logits[0, -1].float().cpu()
     top = float(logits.max())
     a, b = float(logits[ref.token_ids[i]]), float(logits[out.token_ids[i]])
     assert top - a < TIE_GAP and top - b < TIE_GAP, \

@@ -68,6 +68,9 @@ def own_cache(tmp_path, smollm2_engine):
     (["distortion", "--rules", "lossless"], "lossy:RULE:PARAM specs only"),
     (["distortion", "--temperature", "0"], "--temperature must be > 0"),
     (["train-head", "--out", "/tmp/x", "--device", "tpu"], "--device tpu is not available"),
+    (["generate", "hi", "--backend", "onnx"], "unknown backend 'onnx'"),
+    (["generate", "hi", "--device", "tpu"], "unknown device 'tpu'"),
+    (["generate", "hi", "--method", "llama_pld"], "runs on --backend llamacpp only"),
 ])
 def test_bad_input_one_line_error(args, message):
     r = cli(*args)

@@ -29,10 +29,10 @@ from .errors import SpecgraftError
 from .graft.autotune import auto_budget
 from .lossy.rules import Rule, parse_rule
 from .lossy.verify import verify_tree_lossy
-from .models import load
+from .models import load, resolve_device
 from .reference import assistant, hf_assisted, llama_pld
 from .registry import DEFAULTS, REFERENCES, check_lossy, check_options, make_drafter
-from .text import TextState
+from .text import TextState, chat_ids
 
 clock = time.perf_counter
 
@@ -124,9 +124,14 @@ class Engine:
     ``Engine.from_model(m, tok)``."""
 
     def __init__(self, model: str = "smollm2-135m", dtype: str = "float32", cache_dir: str | None = None,
-                 backend: str = "transformers"):
-        """``backend="llamacpp"`` runs the GGUF itself on llama.cpp (``dtype`` is then the GGUF's own: "gguf")."""
+                 backend: str = "transformers", device: str = "cpu"):
+        """``backend="llamacpp"`` runs the GGUF itself on llama.cpp (``dtype`` is then the GGUF's own: "gguf").
+        ``device`` (transformers): cpu, cuda or auto; the target and a draft model run there, the drafters'
+        bookkeeping, EAGLE heads and verification on the CPU."""
+        device = resolve_device(device)  # a bad device fails before any model loads
         if backend == "llamacpp":
+            if device != "cpu":
+                raise SpecgraftError("--backend llamacpp runs on the CPU here (built without CUDA); use --device cpu")
             from transformers import AutoTokenizer
 
             from .backends import llamacpp_backend
@@ -135,7 +140,7 @@ class Engine:
             tok = AutoTokenizer.from_pretrained(tok_dir)
             self._setup(be, tok, model, "gguf", be.model.eos_ids)
         elif backend == "transformers":
-            hf_model, tok = load(model, dtype, cache_dir)
+            hf_model, tok = load(model, dtype, cache_dir, device)
             self._setup(TargetBackend(hf_model), tok, model, dtype, _eos(hf_model))
         else:
             raise SpecgraftError(f"unknown backend '{backend}'; choose transformers or llamacpp")
@@ -150,6 +155,7 @@ class Engine:
     def _setup(self, backend: Backend, tok, name: str, dtype: str, eos: set[int]) -> None:
         self.backend = backend
         self.backend_name = backend.name
+        self.device = str(getattr(backend, "device", "cpu"))
         self.tokenizer, self.model_name, self.dtype = tok, name, dtype
         self.vocab_size = backend.vocab_size
         self.eos_ids = {*eos, *([tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else [])}
@@ -181,12 +187,12 @@ class Engine:
             if self.backend_name != need:
                 raise SpecgraftError(f"{method} is an outside reference that runs on --backend {need} only")
             if method == "hf_assisted":  # load (and check) the assistant now
-                assistant(options.get("model", DEFAULTS[method]["model"]), self.dtype, self.vocab_size)
+                assistant(options.get("model", DEFAULTS[method]["model"]), self.dtype, self.vocab_size, self.device)
             return None
         key = (method, tuple(sorted(options.items())))
         if key not in self._drafters:
             self._drafters[key] = make_drafter(method, self.vocab_size, self.dtype, target=self.backend.model,
-                                               target_name=self.model_name, **options)
+                                               target_name=self.model_name, device=self.device, **options)
         return self._drafters[key]
 
     def auto_budget(self, method: str, options: dict) -> tuple[int, dict]:
@@ -237,7 +243,8 @@ class Engine:
         # A drafter's own ``model`` option (the draft model) is recorded as ``draft_model``: ``model`` is the target.
         opts = {**{k: v for k, v in DEFAULTS.get(method, {}).items() if k != "budget"},
                 **{k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in options.items()}}
-        return {"model": self.model_name, "dtype": self.dtype, "backend": self.backend_name, "method": method,
+        return {"model": self.model_name, "dtype": self.dtype, "backend": self.backend_name, "device": self.device,
+                "method": method,
                 "budget": budget,
                 **{("draft_model" if k == "model" else k): v for k, v in opts.items()},
                 "sampling": sampling.to_dict(), "max_new_tokens": max_new_tokens, "chat": chat,
@@ -494,15 +501,6 @@ class Stream:
 def _eos(hf_model) -> set[int]:
     eos = hf_model.generation_config.eos_token_id
     return {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
-
-
-def chat_ids(tokenizer, messages: list[dict], chat: bool = True, add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation: the chat template when the tokenizer has one, else turns joined by a blank
-    line (base models)."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-        return tokenizer(text, add_special_tokens=False).input_ids
-    return tokenizer("\n\n".join(m["content"] for m in messages)).input_ids
 
 
 _ENGINES: dict[tuple, Engine] = {}

@@ -153,9 +153,23 @@ def resolve(name_or_path: str, cache_dir: str | os.PathLike | None = None) -> Pa
     raise SpecgraftError(f"unknown model '{name_or_path}': use one of {known}, or a local model directory")
 
 
+def resolve_device(device: str = "cpu") -> str:
+    """``cpu``, ``cuda`` (``cuda:N``) or ``auto`` (cuda when torch sees a GPU) -> a torch device string."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return device
+    if device.split(":")[0] == "cuda":
+        if not torch.cuda.is_available():
+            raise SpecgraftError(f"device '{device}': torch sees no CUDA GPU (torch {torch.__version__}; a CPU build "
+                                 "of torch cannot use one)")
+        return device
+    raise SpecgraftError(f"unknown device '{device}'; choose cpu, cuda or auto")
+
+
 def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
-         cache_dir: str | os.PathLike | None = None):
-    """Return ``(model, tokenizer)`` in the requested dtype, on CPU, in eval mode."""
+         cache_dir: str | os.PathLike | None = None, device: str = "cpu"):
+    """Return ``(model, tokenizer)`` in the requested dtype, on ``device``, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = parse_dtype(dtype)
@@ -165,7 +179,7 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32"
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
     except (OSError, ValueError) as err:
         raise SpecgraftError(f"could not load model from {path}: {str(err).splitlines()[0]}") from err
-    return model.eval(), tok
+    return model.to(resolve_device(device)).eval(), tok
 
 
 def gguf_file(name_or_path: str, cache_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:

@@ -22,10 +22,10 @@ from .models import load
 _ASSISTANTS: dict[tuple, torch.nn.Module] = {}
 
 
-def assistant(name: str, dtype: str, vocab_size: int):
-    key = (name, dtype)
+def assistant(name: str, dtype: str, vocab_size: int, device: str = "cpu"):
+    key = (name, dtype, device)
     if key not in _ASSISTANTS:
-        model, _ = load(name, dtype)
+        model, _ = load(name, dtype, device=device)
         if int(model.get_output_embeddings().weight.shape[0]) != vocab_size:
             raise SpecgraftError(f"assistant '{name}' does not share the target's vocabulary")
         _ASSISTANTS[key] = model
@@ -36,7 +36,7 @@ def assistant(name: str, dtype: str, vocab_size: int):
 def hf_assisted(engine, ids: list[int], sampling: SamplingParams, max_new_tokens: int, model: str):
     """Greedy or sampled ``generate`` with the assistant; returns ``(token_ids, Stats)``."""
     target = engine.backend.model
-    helper = assistant(model, engine.dtype, engine.vocab_size)
+    helper = assistant(model, engine.dtype, engine.vocab_size, engine.device)
     calls = []
     hook = target.register_forward_hook(lambda *a: calls.append(1))
     # Override the model's generation_config (Qwen's ships sampling defaults and repetition_penalty=1.1),
@@ -57,7 +57,8 @@ def hf_assisted(engine, ids: list[int], sampling: SamplingParams, max_new_tokens
         torch.manual_seed(sampling.seed)
     t0 = time.perf_counter()
     try:
-        out = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        out = target.generate(torch.tensor([ids], device=target.device),
+                              attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=target.device),
                               assistant_model=helper, max_new_tokens=max_new_tokens,
                               eos_token_id=sorted(engine.eos_ids), pad_token_id=sorted(engine.eos_ids)[0], **kw)
     finally:

@@ -63,7 +63,7 @@ def check_options(method: str, options, extra: tuple[str, ...] = ()) -> None:
 
 
 def make_drafter(method: str, vocab_size: int, dtype: str = "float32", target=None, target_name: str = "custom",
-                 **options) -> Drafter:
+                 device: str = "cpu", **options) -> Drafter:
     """Build a drafter; ``options`` override ``DEFAULTS[method]`` (``budget`` is the loop's, not the drafter's).
 
     ``target`` (the HF model) and ``target_name`` are needed by drafters bound to the target (EAGLE heads).
@@ -78,17 +78,18 @@ def make_drafter(method: str, vocab_size: int, dtype: str = "float32", target=No
         if method == "pld":
             return PromptLookup(max_ngram=opts["max_ngram"])
         if method == "draft":
-            return _draft_model(opts["model"], vocab_size, dtype, opts["shape"], opts["top_k"], opts["depth"])
+            return _draft_model(opts["model"], vocab_size, dtype, opts["shape"], opts["top_k"], opts["depth"], device)
         if method == "eagle":
             return _eagle(opts["head"], target, target_name, opts["top_k"], opts["depth"])
         if method in ("graft", "prune"):
-            return _graft(method, opts, vocab_size, dtype, target, target_name)
+            return _graft(method, opts, vocab_size, dtype, target, target_name, device)
         return TokenRecycling(vocab_size, k=opts["k"], scope=opts["scope"])
     except (ValueError, TypeError) as err:
         raise SpecgraftError(str(err)) from err
 
 
-def _draft_model(model, vocab_size: int, dtype: str, shape: str, top_k: int, depth: int) -> DraftModelDrafter:
+def _draft_model(model, vocab_size: int, dtype: str, shape: str, top_k: int, depth: int,
+                 device: str = "cpu") -> DraftModelDrafter:
     """``model``: a registry name, a local directory (a ``.gguf`` file under ``dtype="gguf"``: the llama.cpp
     backend), or an already loaded ``nn.Module`` / backend (tests)."""
     if isinstance(model, str):
@@ -98,7 +99,7 @@ def _draft_model(model, vocab_size: int, dtype: str, shape: str, top_k: int, dep
 
             model = llamacpp_backend(model)[0]
         else:
-            model, _ = load(model, dtype)
+            model, _ = load(model, dtype, device=device)
     else:
         label = type(model).__name__
     draft_vocab = model.vocab_size if not isinstance(model, torch.nn.Module) else \
@@ -136,7 +137,7 @@ def _eagle(head, target, target_name: str, top_k: int, depth: int) -> EagleDraft
 INNER_KINDS = ("eagle", "draft-tree", "draft-chain")
 
 
-def inner_drafter(opts: dict, vocab_size: int, dtype: str, target, target_name: str):
+def inner_drafter(opts: dict, vocab_size: int, dtype: str, target, target_name: str, device: str = "cpu"):
     kind = opts["drafter"]
     if kind not in INNER_KINDS:
         raise SpecgraftError(f"unknown drafter '{kind}' for {opts.get('variant', 'prune')}; choose one of: "
@@ -148,7 +149,7 @@ def inner_drafter(opts: dict, vocab_size: int, dtype: str, target, target_name: 
     d = DEFAULTS["draft"]
     return _draft_model(opts["model"], vocab_size, dtype, kind.split("-")[1],
                         d["top_k"] if opts["top_k"] == "auto" else opts["top_k"],
-                        d["depth"] if opts["depth"] == "auto" else opts["depth"])
+                        d["depth"] if opts["depth"] == "auto" else opts["depth"], device)
 
 
 def calibration_dir(opts: dict, target_name: str):
@@ -165,8 +166,8 @@ def calibration_dir(opts: dict, target_name: str):
     return base / f"graft-{kind}"
 
 
-def _graft(method: str, opts: dict, vocab_size: int, dtype: str, target, target_name: str):
-    inner = inner_drafter(opts, vocab_size, dtype, target, target_name)
+def _graft(method: str, opts: dict, vocab_size: int, dtype: str, target, target_name: str, device: str = "cpu"):
+    inner = inner_drafter(opts, vocab_size, dtype, target, target_name, device)
     cal, where = None, "fallback"
     if opts["calibration"] != "none":
         path = calibration_dir(opts, target_name) if opts["calibration"] == "auto" else Path(opts["calibration"])

@@ -79,3 +79,12 @@ class TextState:
             lo = end
         add(max(lo, start), stop, self.sources[-1] if self.sources else "bonus")
         return runs
+
+
+def chat_ids(tokenizer, messages: list[dict], chat: bool = True, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation: the chat template when the tokenizer has one, else turns joined by a blank
+    line (base models)."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return tokenizer(text, add_special_tokens=False).input_ids
+    return tokenizer("\n\n".join(m["content"] for m in messages)).input_ids

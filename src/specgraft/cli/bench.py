@@ -21,6 +21,7 @@ def bench(
     model: Optional[str] = typer.Option(None, "--model", "-m"),
     dtype: Optional[str] = typer.Option(None),
     backend: Optional[str] = typer.Option(None, help="transformers (default) or llamacpp (the GGUF on llama.cpp)."),
+    device: Optional[str] = typer.Option(None, help="cpu (default), cuda or auto (transformers backend)."),
     limit: Optional[int] = typer.Option(None, help="First N prompts (after --stride and --categories)."),
     stride: Optional[int] = typer.Option(None, help="Take every K-th prompt (10 on MT-Bench = one per category)."),
     categories: Optional[str] = typer.Option(None, help="Comma-separated categories to keep."),
@@ -42,7 +43,7 @@ def bench(
     from ..eval.report import load, markdown
 
     cfg = BenchConfig.from_toml(config) if config else BenchConfig()
-    for name, val in (("model", model), ("dtype", dtype), ("backend", backend), ("max_new_tokens", max_new_tokens), ("warmup", warmup),
+    for name, val in (("model", model), ("dtype", dtype), ("backend", backend), ("device", device), ("max_new_tokens", max_new_tokens), ("warmup", warmup),
                       ("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("score", score)):
         if val is not None:
             setattr(cfg, name, val)
@@ -144,6 +145,7 @@ def batch_cmd(
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
     dtype: str = typer.Option("bfloat16"),
     backend: str = typer.Option("transformers", help="transformers or llamacpp (the GGUF on llama.cpp)."),
+    device: str = typer.Option("cpu", help="cpu, cuda or auto (transformers backend)."),
     prompts: str = typer.Option("humaneval", help="Dataset or .jsonl/.txt file (first turns)."),
     limit: int = typer.Option(8, help="Number of prompts (all batch sizes decode the same ones)."),
     stride: int = typer.Option(1),
@@ -172,7 +174,7 @@ def batch_cmd(
         sizes = [1, *sizes]  # the single-request outputs are the reference
     items = load_dataset(prompts, limit=limit, stride=stride)
     quiet_transformers()
-    engine = Engine(model, dtype, backend=backend)
+    engine = Engine(model, dtype, backend=backend, device=device)
     ids = [engine.encode(it.turns[0]) for it in items]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with Progress() as bar:

@@ -64,6 +64,8 @@ def generate(
     eagle_depth: Optional[int] = typer.Option(None, help="eagle: expansion levels after the first (EAGLE's depth)."),
     backend: str = typer.Option("transformers", help="transformers (the HF model, --dtype) or llamacpp (the GGUF "
                                 "itself on llama.cpp: needs specgraft[llamacpp]; --dtype is ignored; no EAGLE)."),
+    device: str = typer.Option("cpu", help="cpu, cuda or auto (transformers backend): where the target and a draft "
+                               "model run; drafting bookkeeping, EAGLE heads and verification stay on the CPU."),
     cache_dir: Optional[str] = typer.Option(None, help="Where converted models live (default: user cache)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON record instead of streaming text."),
 ) -> None:
@@ -104,7 +106,7 @@ def generate(
     if compare and method in ("ar", "hf_assisted", "llama_pld"):
         raise SpecgraftError(f"--compare compares a speculative method with AR, not '{method}' (try --method auto)")
     quiet_transformers()
-    engine = Engine(model, dtype, cache_dir, backend=backend)
+    engine = Engine(model, dtype, cache_dir, backend=backend, device=device)
     choice = None
     if auto:
         engine.encode(prompt, chat)  # a bad prompt fails before any latency measurement

@@ -21,6 +21,8 @@ def serve(
     opt: list[str] = typer.Option([], help="Default method option KEY=VALUE (repeatable)."),
     dtype: str = typer.Option("bfloat16", help="float32 (exact reference) or bfloat16 (2-3x faster on CPU)."),
     backend: str = typer.Option("transformers", help="transformers or llamacpp (the GGUF on llama.cpp; no EAGLE)."),
+    device: str = typer.Option("cpu", help="cpu, cuda or auto (transformers backend): where the target and a draft "
+                               "model run; drafting bookkeeping, EAGLE heads and verification stay on the CPU."),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000),
     max_num_seqs: int = typer.Option(8, help="Requests verified together in one batched forward."),
@@ -47,7 +49,7 @@ def serve(
 
         run_ray(dict(model=model, dtype=dtype, method=method, budget=budget_v, opts=opts, name=served_model_name,
                      max_num_seqs=max_num_seqs, max_queue=max_queue, timeout=request_timeout,
-                     max_tokens=max_tokens, cache_dir=cache_dir, batch_budget=batch_budget, backend=backend), replicas, num_cpus, max_replicas, host, port)
+                     max_tokens=max_tokens, cache_dir=cache_dir, batch_budget=batch_budget, backend=backend, device=device), replicas, num_cpus, max_replicas, host, port)
         return
     import uvicorn
 
@@ -55,7 +57,7 @@ def serve(
 
     quiet_transformers()
     server = build_server(model, dtype, method, budget_v, opts, served_model_name, max_num_seqs, max_queue,
-                          request_timeout, max_tokens, cache_dir, batch_budget, backend)
+                          request_timeout, max_tokens, cache_dir, batch_budget, backend, device)
     print(f"serving {server.name} ({server.method}) on http://{host}:{port}  (playground: /, metrics: /metrics)",
           file=sys.stderr)
     try:

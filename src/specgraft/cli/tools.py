@@ -120,6 +120,7 @@ def calibrate(
     skip: int = typer.Option(1000, help="Skip the first N conversations (keeps warm-up apart from head training data)."),
     out: Optional[str] = typer.Option(None, help="Output directory (default: beside the head, graft-DRAFTER/)."),
     dtype: str = typer.Option("bfloat16"),
+    device: str = typer.Option("cpu", help="cpu, cuda or auto: where the target and a draft model run."),
     resume: bool = typer.Option(False, help="Continue an interrupted calibration in --out."),
     context_only: bool = typer.Option(False, "--context-only", help="Add only the context-retrieval table to the "
                                       "existing calibration in --out (same warm-up prompts and length as it "
@@ -154,11 +155,11 @@ def calibrate(
     if context_only:
         return _context_only(out_dir, model, dtype, cache_dir)
     convs = _warmup_conversations(data, skip)
-    engine = Engine(model, dtype, cache_dir)
+    engine = Engine(model, dtype, cache_dir, device=device)
     state = out_dir / "calibrate-state.pt"
     if state.exists() and not resume:
         raise SpecgraftError(f"{out_dir} holds an interrupted calibration; pass --resume or remove {state}")
-    inner = inner_drafter(opts, engine.vocab_size, dtype, engine.backend.model, model)
+    inner = inner_drafter(opts, engine.vocab_size, dtype, engine.backend.model, model, engine.device)
     out_dir.mkdir(parents=True, exist_ok=True)
     with Progress() as bar:
         task = bar.add_task("calibrate", total=rounds + extra)

@@ -106,6 +106,9 @@ class TargetBackend:
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self._cache_kw = cache_keyword(model)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        # The model (and its cache) may sit on a GPU; inputs go there, logits and hidden states come back to the
+        # CPU, where the drafters, retrieval and verification run.
+        self.device = next(model.parameters()).device
         self.reset()
 
     def clone(self) -> "TargetBackend":
@@ -133,8 +136,9 @@ class TargetBackend:
         return self.lengths[0]
 
     def _forward(self, ids, positions, mask, hidden_layers, logits_to_keep: int = 0):
-        return self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                          **{self._cache_kw: self.cache}, logits_to_keep=logits_to_keep,
+        dev = self.device
+        return self.model(input_ids=ids.to(dev), position_ids=positions.to(dev), attention_mask=mask.to(dev),
+                          use_cache=True, **{self._cache_kw: self.cache}, logits_to_keep=logits_to_keep,
                           output_hidden_states=bool(hidden_layers))
 
     # -- rows joining and leaving ------------------------------------------------------------------------
@@ -145,8 +149,8 @@ class TargetBackend:
         ``[len(rows), V]`` (a tensor of positions ``rows``) or ``[1, V]`` (the last position); hidden states
         ``[T, H]``."""
         cache = DynamicCache(config=self.model.config)
-        keep = all_logits if isinstance(all_logits, torch.Tensor) else (0 if all_logits else 1)
-        out = self.model(input_ids=ids.unsqueeze(0), use_cache=True, **{self._cache_kw: cache},
+        keep = all_logits.to(self.device) if isinstance(all_logits, torch.Tensor) else (0 if all_logits else 1)
+        out = self.model(input_ids=ids.unsqueeze(0).to(self.device), use_cache=True, **{self._cache_kw: cache},
                          logits_to_keep=keep, output_hidden_states=bool(hidden_layers))
         if self.cache is None:
             self.cache = cache
@@ -156,8 +160,8 @@ class TargetBackend:
                 mine.keys = torch.cat([_pad(mine.keys, width), _pad(new.keys, width)])
                 mine.values = torch.cat([_pad(mine.values, width), _pad(new.values, width)])
         self.lengths.append(int(ids.shape[0]))
-        hidden = {i: out.hidden_states[i][0] for i in hidden_layers} if hidden_layers else None
-        return VerifyOutput(out.logits[0], hidden)
+        hidden = {i: out.hidden_states[i][0].cpu() for i in hidden_layers} if hidden_layers else None
+        return VerifyOutput(out.logits[0].cpu(), hidden)
 
     def prefill(self, ids: torch.Tensor, all_logits: bool = False, hidden_layers: tuple[int, ...] = ()) -> VerifyOutput:
         """Drop every row and cache ``ids`` as the only one."""
@@ -170,7 +174,7 @@ class TargetBackend:
         if not self.lengths:
             self.cache = None
             return
-        keep = torch.tensor([i for i in range(len(self.lengths) + 1) if i != row])
+        keep = torch.tensor([i for i in range(len(self.lengths) + 1) if i != row], device=self.device)
         for layer in self.cache.layers:
             layer.keys = layer.keys.index_select(0, keep)[:, :, : self.width]
             layer.values = layer.values.index_select(0, keep)[:, :, : self.width]
@@ -199,8 +203,9 @@ class TargetBackend:
         mask = torch.zeros(b, 1, w, length + w, dtype=self.dtype).masked_fill_(~vis.unsqueeze(1), self.neg)
         out = self._forward(ids, pos, mask, hidden_layers)
         self._col0 = length
-        return [VerifyOutput(out.logits[i, : t.size],
-                             {h: out.hidden_states[h][i, : t.size] for h in hidden_layers} if hidden_layers else None)
+        logits = out.logits.cpu()
+        hidden = {h: out.hidden_states[h].cpu() for h in hidden_layers}
+        return [VerifyOutput(logits[i, : t.size], {h: hidden[h][i, : t.size] for h in hidden_layers} or None)
                 for i, t in enumerate(trees)]
 
     @torch.inference_mode()
@@ -215,7 +220,8 @@ class TargetBackend:
                     src.append(self._col0 + node)
             self.lengths[i] += len(acc)
         width = self.width
-        r, d, s = torch.tensor(rows, dtype=torch.long), torch.tensor(dst), torch.tensor(src)
+        dev = self.device
+        r, d, s = (torch.tensor(x, dtype=torch.long, device=dev) for x in (rows, dst, src))
         for layer in self.cache.layers:
             if rows:
                 layer.keys[r, :, d] = layer.keys[r, :, s]
@@ -242,7 +248,7 @@ class TargetBackend:
         p, n = self.prefix_len, tokens.shape[0]
         mask = torch.zeros(1, 1, n, self.cache.get_seq_length() + n, dtype=self.dtype)
         mask[0, 0, :, p:].masked_fill_(~visible, self.neg)
-        return self._forward(tokens.unsqueeze(0), positions.unsqueeze(0), mask, ()).logits[0]
+        return self._forward(tokens.unsqueeze(0), positions.unsqueeze(0), mask, ()).logits[0].cpu()
 
     def truncate(self, length: int) -> None:
         """Drop cached positions from ``length`` on (a drafter rolling back its own speculation)."""

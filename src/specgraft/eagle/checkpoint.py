@@ -124,7 +124,7 @@ def load_head(path: str | os.PathLike, target, dtype: torch.dtype | None = None)
                              f"(fc {tuple(state['fc.weight'].shape)}, lm_head {tuple(state['lm_head.weight'].shape)})")
     embed = state.pop("embed_tokens.weight", None)
     if embed is None:
-        embed = target.get_input_embeddings().weight.detach()
+        embed = target.get_input_embeddings().weight.detach().cpu()  # heads run on the CPU (docs/backends.md)
     head = Eagle3Head(c, embed.float())
     if "d2t" not in state:  # a head over the full vocabulary
         state["d2t"] = torch.zeros(c.draft_vocab_size, dtype=torch.long)

@@ -61,6 +61,7 @@ class BenchConfig:
     model: str = "smollm2-135m"
     dtype: str = "bfloat16"
     backend: str = "transformers"  # or "llamacpp": the GGUF on llama.cpp (dtype is then the GGUF's own)
+    device: str = "cpu"  # transformers backend: cpu, cuda or auto
     max_new_tokens: int = 128
     warmup: int = 1
     seeds: list[int] = field(default_factory=lambda: [0])
@@ -228,6 +229,7 @@ def make_record(cfg: BenchConfig, env: dict, dataset: str, item: Item, spec: Met
         "turn": turn, "n_turns": len(item.turns), "seed": seed, "label": spec.label, "method": spec.method,
         "spec": spec.describe(),
         "method_config": g.config, "model": cfg.model, "dtype": g.config["dtype"], "backend": g.config.get("backend", "transformers"),
+        "device": g.config.get("device", "cpu"),
         "max_new_tokens": cfg.max_new_tokens,
         "sampling": g.config["sampling"], "greedy": cfg.temperature == 0.0,
         "verify": g.config.get("verify", "lossless"), "lossy": bool(g.config.get("lossy", False)),
@@ -261,7 +263,7 @@ def run_harness(cfg: BenchConfig, out_path: str, progress=None, log=print, engin
     complete, dropped = repair_for_resume(out_path) if Path(out_path).exists() else (set(), 0)
     if complete or dropped:
         log(f"resume: {len(complete)} conversations already recorded; {dropped} incomplete line(s) dropped")
-    engine = engine or Engine(cfg.model, cfg.dtype, backend=cfg.backend)
+    engine = engine or Engine(cfg.model, cfg.dtype, backend=cfg.backend, device=cfg.device)
     env = environment()
     for spec in specs:
         engine.drafter(spec.method, **spec.options)

@@ -13,7 +13,8 @@ import torch
 from ..drafters.dynamic_tree import InnerDrafter
 from ..core.drafter import last_occurrences
 from ..drafters.matrix import AdjacencyMatrix
-from ..engine import Engine, chat_ids
+from ..engine import Engine
+from ..text import chat_ids
 from ..errors import SpecgraftError
 from .context import fit_context
 from .calibration import FALLBACK_TAU_TAIL, MIN_OBS, Calibration, Recorder, fit_threshold

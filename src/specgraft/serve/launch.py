@@ -15,7 +15,7 @@ from .app import Server
 
 def build_server(model: str, dtype: str, method: str, budget, opts: dict, name: Optional[str], max_num_seqs: int,
                  max_queue: int, timeout: float, max_tokens: int, cache_dir: Optional[str] = None,
-                 batch_budget: bool = True, backend: str = "transformers"):
+                 batch_budget: bool = True, backend: str = "transformers", device: str = "cpu"):
     """Load the engine, resolve ``--method auto``, warm the drafter, start the engine thread."""
     if max_num_seqs < 1 or max_queue < 0 or max_tokens < 1:
         raise SpecgraftError("--max-num-seqs and --max-tokens must be >= 1, --max-queue >= 0")
@@ -23,7 +23,7 @@ def build_server(model: str, dtype: str, method: str, budget, opts: dict, name: 
         raise SpecgraftError("--opt / --budget need an explicit --method (auto chooses its own)")
     if method != "auto":
         check_options(method, opts)
-    engine = Engine(model, dtype, cache_dir, backend=backend)
+    engine = Engine(model, dtype, cache_dir, backend=backend, device=device)
     auto = None
     if method == "auto":
         choice = choose_method(engine)

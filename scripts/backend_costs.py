@@ -1,0 +1,149 @@
+"""Per-backend costs on this machine (docs/benchmarks.md, "Backends"): one forward over n new tree tokens after a
+fixed prefix, prefill time against prompt length, peak resident memory, and where a transformers step's time goes.
+
+    python scripts/backend_costs.py verify  --backend transformers --dtype bfloat16   # n = 1..64
+    python scripts/backend_costs.py verify  --backend llamacpp
+    python scripts/backend_costs.py prefill --backend llamacpp --ubatch 512
+    python scripts/backend_costs.py memory  --backend llamacpp        # run each backend in its own process
+    python scripts/backend_costs.py profile                           # torch profiler, one transformers AR step
+
+Each prints one JSON line (and a table on stderr). Timings are medians of ``--reps`` after one warm-up; the
+prefix and prompts are token ids of a fixed text (no evaluation prompt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+TEXT = ("The quick brown fox jumps over the lazy dog while the river runs past the old mill and the miller counts "
+        "his sacks of flour one by one before the market opens in the square. ") * 200
+
+
+def engine(args):
+    from specgraft import Engine
+
+    if args.backend == "llamacpp" and (args.ubatch or args.flash_attn is not None):
+        from specgraft.backends import llamacpp as L
+        from specgraft.models import gguf_file
+
+        e = Engine(args.model, backend="llamacpp")
+        s = L.LlamaSettings(n_ubatch=args.ubatch or 512, n_batch=max(512, args.ubatch or 512),
+                            flash_attn=-1 if args.flash_attn is None else args.flash_attn)
+        e.backend = L.LlamaCppBackend(L.LlamaModel(gguf_file(args.model)[0], s), s)
+        return e
+    return Engine(args.model, args.dtype, backend=args.backend)
+
+
+def ids_of(e, n: int) -> list[int]:
+    ids = e.tokenizer(TEXT).input_ids
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def verify(args) -> dict:
+    from specgraft.core.tree import Tree
+
+    e = engine(args)
+    be = e.backend
+    prefix = ids_of(e, args.prefix)
+    be.prefill(torch.tensor(prefix))
+    res = {}
+    for n in args.n:
+        tree = Tree.chain(prefix[-1], prefix[1:n])  # a chain of n tokens (trees of n cost the same here)
+
+        def step():
+            be.verify(tree)
+            be.truncate(args.prefix)
+
+        res[n] = round(timed(step, args.reps) * 1000, 1)
+        print(f"n={n:3d} {res[n]:7.1f} ms", file=sys.stderr, flush=True)
+    return {"what": "verify_ms", "backend": args.backend, "dtype": e.dtype, "model": args.model,
+            "prefix": args.prefix, "ms": res}
+
+
+def prefill(args) -> dict:
+    e = engine(args)
+    be = e.backend
+    res = {}
+    for n in args.lengths:
+        ids = torch.tensor(ids_of(e, n))
+        t = timed(lambda: be.prefill(ids), args.reps)
+        res[n] = {"ms": round(t * 1000, 1), "tok_s": round(n / t, 1)}
+        print(f"prompt {n:5d}: {t * 1000:8.1f} ms  {n / t:7.1f} tok/s", file=sys.stderr, flush=True)
+    return {"what": "prefill", "backend": args.backend, "dtype": e.dtype, "model": args.model,
+            "ubatch": args.ubatch, "flash_attn": args.flash_attn, "lengths": res}
+
+
+def memory(args) -> dict:
+    e = engine(args)
+    g = e.generate("Write a Python function that merges two sorted lists.", "ar", max_new_tokens=64)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
+    return {"what": "peak_rss_mib", "backend": args.backend, "dtype": e.dtype, "model": args.model,
+            "peak_rss_mib": round(peak), "tokens": g.stats.new_tokens}
+
+
+def profile(args) -> dict:
+    """Where one transformers AR step (a 1-token verify + commit) spends its time."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    from specgraft.core.tree import Tree
+
+    e = engine(args)
+    be = e.backend
+    prefix = ids_of(e, args.prefix)
+    be.prefill(torch.tensor(prefix))
+    tok = prefix[-1]
+
+    def step():
+        be.verify(Tree.chain(tok, []))
+        be.commit([0])
+
+    for _ in range(3):
+        step()
+    wall = timed(step, args.reps)
+    with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.reps):
+            step()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    print(table, file=sys.stderr)
+    total = sum(k.self_cpu_time_total for k in prof.key_averages())
+    top = {k.key: round(k.self_cpu_time_total / total, 3) for k in
+           sorted(prof.key_averages(), key=lambda k: -k.self_cpu_time_total)[:12]}
+    return {"what": "profile", "backend": "transformers", "dtype": e.dtype, "model": args.model,
+            "ar_step_ms": round(wall * 1000, 1), "self_cpu_share": top}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("what", choices=("verify", "prefill", "memory", "profile"))
+    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    p.add_argument("--backend", default="transformers")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prefix", type=int, default=128)
+    p.add_argument("--n", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])
+    p.add_argument("--lengths", type=int, nargs="+", default=[32, 128, 512, 1024, 2048])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--ubatch", type=int, default=0)
+    p.add_argument("--flash-attn", type=int, default=None)
+    args = p.parse_args()
+    print(json.dumps({"verify": verify, "prefill": prefill, "memory": memory, "profile": profile}[args.what](args)))
+
+
+if __name__ == "__main__":
+    main()
