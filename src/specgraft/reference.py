@@ -10,6 +10,7 @@ token from the prefill as well and MAT over verification steps; the two agree up
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -98,7 +99,8 @@ def llama_pld(engine, ids: list[int], sampling: SamplingParams, max_new_tokens: 
         # buffer is n_ctx x vocab floats, hence a smaller context than the backend's.
         _LLAMAS[key] = Llama(model_path=str(be.model.path), n_ctx=min(s.n_ctx, LLAMA_PLD_CTX), logits_all=True,
                              n_batch=s.n_batch, n_ubatch=s.n_ubatch,
-                             n_threads=s.n_threads or None, n_threads_batch=s.n_threads or None,
+                             # the backend's threads (llama-cpp-python's default is half the cores for decoding)
+                             n_threads=s.n_threads or os.cpu_count(), n_threads_batch=s.n_threads or os.cpu_count(),
                              flash_attn=s.flash_attn != 0,  # the backend's setting (llama.cpp's auto = on, on CPU)
                              draft_model=LlamaPromptLookupDecoding(max_ngram_size, num_pred_tokens), verbose=False)
     llm = _LLAMAS[key]
@@ -114,8 +116,12 @@ def llama_pld(engine, ids: list[int], sampling: SamplingParams, max_new_tokens: 
 
     llm.eval = counted
     llm.reset()
+    # the same processing as ours: llama-cpp-python's defaults (min_p 0.05, top_k 40, ...) switched off
     kw = {"temp": 0.0} if sampling.greedy else {
-        "temp": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or 0}
+        "temp": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or 0,
+        "min_p": sampling.min_p, "typical_p": 1.0, "repeat_penalty": 1.0}
+    if not sampling.greedy and sampling.eta:
+        raise SpecgraftError("llama_pld: llama-cpp-python has no eta sampling")
     if not sampling.greedy and sampling.seed is not None:
         llm.set_seed(sampling.seed)
     t0 = time.perf_counter()
