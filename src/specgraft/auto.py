@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import SpecgraftError
-from .graft.autotune import choose_budget, interpolate, latency_curve, machine_key
+from .graft.autotune import choose_budget, engine_key, interpolate, latency_curve, machine_key
 from .graft.calibration import Calibration
 from .models import REGISTRY, cache_root, package_file
 from .registry import DEFAULTS, calibration_dir, shipped_head
@@ -163,20 +163,20 @@ def decide(model_name: str, curve: dict[int, float], found: list[tuple[Candidate
 
 
 def _cache_path(engine) -> Path:
-    return cache_root() / "latency" / f"{machine_key(engine.model_name, engine.dtype)}.auto.json"
+    return cache_root() / "latency" / f"{engine_key(engine)}.auto.json"
 
 
 def _fingerprint(engine, paths: list[Path]) -> dict:
     """What a cached choice depends on: the curve file and the calibrations (size, mtime)."""
     stamp = lambda p: [p.stat().st_size, p.stat().st_mtime_ns] if p.exists() else None  # noqa: E731
-    curve = cache_root() / "latency" / f"{machine_key(engine.model_name, engine.dtype)}.json"
+    curve = cache_root() / "latency" / f"{engine_key(engine)}.json"
     return {"version": VERSION, "curve": stamp(curve), "calibrations": {str(p): stamp(p / "calibration.json")
                                                                          for p in paths}}
 
 
 def choose_method(engine) -> AutoChoice:
     """The method (and budget, options) ``--method auto`` runs on ``engine``; cached per model and dtype."""
-    found = candidates(engine.model_name, engine.backend_name)
+    found = candidates(engine.model_name, getattr(engine, "backend_name", "transformers"))
     if not found:  # nothing to predict from: no measurement needed
         return decide(engine.model_name, {1: 1.0}, [])
     path = _cache_path(engine)

@@ -507,9 +507,9 @@ _ENGINES: dict[tuple, Engine] = {}
 
 
 def generate(prompt: str, model: str = "smollm2-135m", method: str = "ar", dtype: str = "float32",
-             backend: str = "transformers", **kwargs) -> Generation:
-    """One-call API; the engine (model load) is cached per ``(model, dtype, backend)`` within the process."""
-    key = (model, dtype, backend)
+             backend: str = "transformers", device: str = "cpu", **kwargs) -> Generation:
+    """One-call API; the engine (model load) is cached per ``(model, dtype, backend, device)`` in the process."""
+    key = (model, dtype, backend, device)
     if key not in _ENGINES:
-        _ENGINES[key] = Engine(model, dtype, backend=backend)
+        _ENGINES[key] = Engine(model, dtype, backend=backend, device=device)
     return _ENGINES[key].generate(prompt, method, **kwargs)

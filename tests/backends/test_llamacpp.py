@@ -116,6 +116,32 @@ def test_rows_are_independent_and_leave_cleanly(engine):
     assert torch.allclose(got, ref, atol=1e-4)
 
 
+def test_limits_refused_before_any_side_effect_and_wide_steps_split_by_rows(engine):
+    from dataclasses import replace
+
+    from specgraft.backends.llamacpp import LlamaCppBackend
+
+    small = replace(engine.backend.settings, n_batch=256, n_ubatch=256)  # llama.cpp needs n_ubatch >= n_seq_max
+    be = LlamaCppBackend(engine.backend.model, small)
+    a, b = PROMPT, PROMPT[:5] + [4000, 4001, 4002]
+    be.add(torch.tensor(a))
+    be.add(torch.tensor(b))
+    free = len(be._free)
+    with pytest.raises(SpecgraftError, match="exceeds n_batch"):
+        be.verify_batch([random_tree(300, seed=5), random_tree(3, seed=6)])
+    assert len(be._free) == free and be.lengths == [len(a), len(b)]
+    ta, tb = random_tree(150, seed=3), random_tree(120, seed=4)  # 270 nodes > 256: one decode per row
+    outs = be.verify_batch([ta, tb])
+    for tree, prompt, out in ((ta, a, outs[0]), (tb, b, outs[1])):
+        alone = engine.backend.clone()  # the same tree decoded alone (>= 64 tokens and another cell layout:
+        alone.prefill(torch.tensor(prompt))  # equal up to the kernels' noise, docs/backends.md)
+        ref = alone.verify(tree).logits
+        assert (out.logits - ref).abs().max() < 1.0
+        assert (out.logits.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    be.commit_batch([[0], [0]])
+    assert len(be._free) == free
+
+
 def test_extend_sees_its_ancestors_and_truncate_drops_speculation(engine):
     be = engine.backend.clone()
     be.prefill(torch.tensor(PROMPT))

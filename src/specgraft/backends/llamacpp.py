@@ -18,8 +18,8 @@ accepted path, renames it to the row's home sequence, drops everything else (``s
 past the accepted nodes, so the next step sees exactly prefix + accepted tokens.
 
 Rejected nodes that sit before the last accepted one (a batch fills cells in order) are not freed: their cells
-move to the row's *ballast* sequence, which no token ever attends to (those after it are freed: the holes are at
-the end). Freed cells would be reused by the next tokens, placing a token's cell before cells of earlier positions;
+move to the row's *ballast* sequence, which no token ever attends to (those after it are freed: with one row the
+holes are at the end; with several, the next rows' cells follow, and the order holds only up to that). Freed cells would be reused by the next tokens, placing a token's cell before cells of earlier positions;
 attention then sums in another order, and on quantised weights (activations re-quantised to 8 bits at every
 matmul) that reordering moves logits by up to ~1 (measured; docs/backends.md). Kept in place, every step
 reads its cells in the order llama.cpp AR would, so verification logits equal AR's bit for bit wherever the
@@ -29,7 +29,10 @@ Ballast and graveyard are freed when no row is left, or when either exceeds a qu
 on the rows still running are exact only up to that noise).
 
 Rows (requests) each own a home and a ballast sequence; the borrowed ids of a step come from one pool of
-``LLAMA_MAX_SEQ`` = 256, so the leaves of all trees in one step must fit in it. Hidden states are not
+``LLAMA_MAX_SEQ`` = 256 (one kept for the graveyard, two held by each row): the leaves of all trees of one step,
+less one per tree, must fit in what is free. Limits (tree size, ids, KV cells) are checked before a step touches
+the cache; a step whose trees exceed ``n_batch`` tokens is split by rows into consecutive decodes. When the cache
+runs short, ballast and graveyard are freed first. Hidden states are not
 exposed (EAGLE heads stay on the transformers backend; docs/backends.md says why).
 """
 
@@ -103,6 +106,9 @@ class LlamaModel:
         self.ptr = lc.llama_model_load_from_file(str(path).encode(), params)
         if not self.ptr:
             raise SpecgraftError(f"llama.cpp could not load '{path}'")
+        if lc.llama_model_is_recurrent(self.ptr) or lc.llama_model_is_hybrid(self.ptr):
+            raise SpecgraftError(f"'{path}' is a recurrent or hybrid model: its state cannot be cut back to an "
+                                 "accepted path, so tree verification does not support it")
         vocab = lc.llama_model_get_vocab(self.ptr)
         self.vocab_size = int(lc.llama_vocab_n_tokens(vocab))
         self.eos_ids = {int(t) for t in (lc.llama_vocab_eos(vocab), lc.llama_vocab_eot(vocab)) if t >= 0}
@@ -123,6 +129,8 @@ class LlamaCppBackend:
     def __init__(self, model: LlamaModel, settings: LlamaSettings | None = None):
         lc, self.model, self.lc = model.lc, model, model.lc
         s = self.settings = settings or model.settings
+        if min(s.n_batch, s.n_ubatch) < MAX_SEQ:  # llama.cpp aborts the process otherwise (graph reservation)
+            raise SpecgraftError(f"llama.cpp backend: n_batch and n_ubatch must be >= {MAX_SEQ} (n_seq_max)")
         params = lc.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch = s.n_ctx, s.n_batch, s.n_ubatch
         params.n_seq_max = MAX_SEQ
@@ -176,6 +184,23 @@ class LlamaCppBackend:
             raise ValueError(f"prefix_len needs exactly one row, the cache has {self.rows}")
         return self.lengths[0]
 
+    def _used(self) -> int:
+        """Cells in use (committed prefixes, ballast, graveyard): what the shared cache must hold before a step."""
+        return sum(self.lengths) + sum(self._ballast_cells) + self._grave_cells
+
+    def _make_room(self, need: int) -> None:
+        """Free ballast and graveyard when ``need`` more cells would not fit; refuse when they still do not."""
+        if self._used() + need <= self.settings.n_ctx:
+            return
+        self.lc.llama_memory_seq_rm(self.mem, GRAVE, -1, -1)
+        self._grave_cells = 0
+        for i, b in enumerate(self.ballast):
+            self.lc.llama_memory_seq_rm(self.mem, b, -1, -1)
+            self._ballast_cells[i] = 0
+        if self._used() + need > self.settings.n_ctx:
+            raise SpecgraftError(f"llama.cpp KV cache full: {self._used()} cells in use + {need} needed > n_ctx "
+                                 f"{self.settings.n_ctx} (fewer or shorter requests at once, or a larger n_ctx)")
+
     # -- llama.cpp calls ------------------------------------------------------------------------------------
     def _borrow(self, n: int) -> list[int]:
         if n > len(self._free):
@@ -226,6 +251,7 @@ class LlamaCppBackend:
             want[:] = 1
         else:
             want[-1] = 1
+        self._make_room(t)
         home, ballast = self._borrow(2)
         chunks, step = [], self.settings.n_batch
         try:
@@ -264,23 +290,41 @@ class LlamaCppBackend:
 
     # -- one verification step for every row ----------------------------------------------------------------
     def verify_batch(self, trees: list[Tree], hidden_layers: tuple[int, ...] = ()) -> list[VerifyOutput]:
+        """One ``llama_decode`` for all rows' trees when they fit in ``n_batch`` tokens; otherwise rows are split
+        into consecutive decodes (rows never see each other's cells, so the results are the same)."""
         _no_hidden(hidden_layers)
         if len(trees) != self.rows:
             raise ValueError(f"{len(trees)} trees for {self.rows} cache rows")
-        toks, pos, seqs, sizes = [], [], [], []
+        # every limit is checked before any sequence is borrowed or copied (no side effects on refusal)
+        big = max((t.size for t in trees), default=0)
+        if big > self.settings.n_batch:
+            raise SpecgraftError(f"llama.cpp backend: a tree of {big} nodes exceeds n_batch {self.settings.n_batch}")
+        leaves = sum(sum(1 for k in t.children if not k) - 1 for t in trees)
+        if leaves > len(self._free):
+            raise SpecgraftError(f"llama.cpp backend: this step's trees need {leaves} more sequence ids than the "
+                                 f"{len(self._free)} free (smaller trees, or fewer requests at once)")
+        self._make_room(sum(t.size for t in trees))
+        groups, cur, size = [], [], 0
         for i, t in enumerate(trees):
-            node_seqs, borrowed = self._assign(i, t)
-            toks += t.tokens.tolist()
-            pos += (t.depth + self.lengths[i]).tolist()
-            seqs += node_seqs
-            sizes.append(t.size)
-        if len(toks) > self.settings.n_batch:
-            raise SpecgraftError(f"llama.cpp backend: {len(toks)} tree nodes in one step exceed n_batch "
-                                 f"{self.settings.n_batch}")
-        logits = self._decode(toks, pos, seqs, np.ones(len(toks), dtype=np.int8))
-        return [VerifyOutput(x, None) for x in logits.split(sizes)]
+            if cur and size + t.size > self.settings.n_batch:
+                groups.append(cur)
+                cur, size = [], 0
+            cur.append(i)
+            size += t.size
+        groups.append(cur)
+        out: list[VerifyOutput] = []
+        for group in groups:
+            toks, pos, seqs = [], [], []
+            for i in group:
+                t = trees[i]
+                seqs += self._assign(i, t)
+                toks += t.tokens.tolist()
+                pos += (t.depth + self.lengths[i]).tolist()
+            logits = self._decode(toks, pos, seqs, np.ones(len(toks), dtype=np.int8))
+            out += [VerifyOutput(x, None) for x in logits.split([trees[i].size for i in group])]
+        return out
 
-    def _assign(self, row: int, tree: Tree) -> tuple[list[list[int]], list[int]]:
+    def _assign(self, row: int, tree: Tree) -> list[list[int]]:
         """Give every leaf a sequence (the home one first) holding the prefix; a node's ids = its leaves'."""
         kids = tree.children
         leaves = [n for n in range(tree.size) if not kids[n]]
@@ -295,8 +339,11 @@ class LlamaCppBackend:
             while n >= 0:
                 node_seqs[n].append(s)
                 n = parents[n]
+        if self._steps[row][0]:  # an earlier verify of this row that was never committed: drop its nodes
+            self._release(self._steps[row][1])
+            self.lc.llama_memory_seq_rm(self.mem, home, self.lengths[row], -1)
         self._steps[row] = ([ns[0] for ns in node_seqs], borrowed, tree.depth.tolist())
-        return node_seqs, borrowed
+        return node_seqs
 
     def commit_batch(self, accepted: list[list[int]]) -> None:
         """Per row, keep the root and the accepted path (node indices, root first); drop the other nodes."""
@@ -336,6 +383,9 @@ class LlamaCppBackend:
         a, n = len(self._spec), int(tokens.shape[0])
         if visible[:, a:].ne(torch.eye(n, dtype=torch.bool)).any():
             raise ValueError("llama.cpp extend: a new node may see only itself among the nodes appended with it")
+        if n > self.settings.n_batch:
+            raise SpecgraftError(f"llama.cpp extend: {n} nodes exceed n_batch {self.settings.n_batch}")
+        self._make_room(n)
         home, new = self.home[0], self._borrow(n)
         for j, s in enumerate(new):
             self.lc.llama_memory_seq_cp(self.mem, home, s, -1, -1)
@@ -343,7 +393,11 @@ class LlamaCppBackend:
                 ks, kp = self._spec[k]
                 self.lc.llama_memory_seq_cp(self.mem, ks, s, kp, kp + 1)
         pos = positions.tolist()
-        logits = self._decode(tokens.tolist(), pos, [[s] for s in new], np.ones(n, dtype=np.int8))
+        try:
+            logits = self._decode(tokens.tolist(), pos, [[s] for s in new], np.ones(n, dtype=np.int8))
+        except Exception:
+            self._release(new)
+            raise
         self._spec += list(zip(new, pos))
         return logits
 

@@ -87,7 +87,8 @@ def run_batch_bench(engine: Engine, specs: list[MethodSpec], prompts: list[list[
                    "draft_forward_s": stats.draft_forward_s, "step_s": stats.total_s,
                    "host_share": host_share(stats),
                    "outputs": outs, "equal_to_batch1": None if single is None else single["outputs"] == outs,
-                   "model": engine.model_name, "dtype": engine.dtype, "env": env}
+                   "model": engine.model_name, "dtype": engine.dtype,
+                   "backend": engine.backend_name, "device": engine.device, "env": env}
             done[(spec.label, bsz)] = rec
             with open(out_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")

@@ -32,15 +32,22 @@ from .calibration import Calibration, expected_mat
 WIDTHS = (1, 2, 4, 8, 12, 16, 20, 24, 32, 40, 48, 61, 64)
 
 
-def machine_key(model: str, dtype: str) -> str:
+def machine_key(model: str, dtype: str, device: str = "cpu") -> str:
+    """Where a measured curve is valid: model, dtype (gguf: the llama.cpp backend), device, machine, torch."""
     cpu = cpu_name()
     raw = f"{model}|{dtype}|{cpu}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    if device != "cpu":  # CPU keys keep their old form (existing caches stay valid)
+        raw += f"|device={device}"
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in raw)[:200]
+
+
+def engine_key(engine) -> str:
+    return machine_key(engine.model_name, engine.dtype, getattr(engine, "device", "cpu"))
 
 
 def latency_curve(engine, widths=WIDTHS, prefix: int = 256, reps: int = 3, refresh: bool = False) -> dict[int, float]:
     """Seconds per verification forward by slot count (cached per model, dtype, machine and torch)."""
-    path = cache_root() / "latency" / f"{machine_key(engine.model_name, engine.dtype)}.json"
+    path = cache_root() / "latency" / f"{engine_key(engine)}.json"
     if path.exists() and not refresh:
         return {int(k): v for k, v in json.loads(path.read_text())["seconds"].items()}
     gen = torch.Generator().manual_seed(0)
@@ -61,7 +68,7 @@ def latency_curve(engine, widths=WIDTHS, prefix: int = 256, reps: int = 3, refre
         out[w] = statistics.median(times)
     backend.reset()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"key": machine_key(engine.model_name, engine.dtype), "prefix": prefix,
+    path.write_text(json.dumps({"key": engine_key(engine), "prefix": prefix,
                                 "seconds": out}, indent=1))
     return out
 
