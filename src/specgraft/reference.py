@@ -37,7 +37,8 @@ def assistant(name: str, dtype: str, vocab_size: int, device: str = "cpu"):
 def hf_assisted(engine, ids: list[int], sampling: SamplingParams, max_new_tokens: int, model: str):
     """Greedy or sampled ``generate`` with the assistant; returns ``(token_ids, Stats)``."""
     target = engine.backend.model
-    helper = assistant(model, engine.dtype, engine.vocab_size, engine.device)
+    device = getattr(engine, "device", "cpu")
+    helper = assistant(model, engine.dtype, engine.vocab_size, device)
     calls = []
     hook = target.register_forward_hook(lambda *a: calls.append(1))
     # Override the model's generation_config (Qwen's ships sampling defaults and repetition_penalty=1.1),
@@ -58,8 +59,8 @@ def hf_assisted(engine, ids: list[int], sampling: SamplingParams, max_new_tokens
         torch.manual_seed(sampling.seed)
     t0 = time.perf_counter()
     try:
-        out = target.generate(torch.tensor([ids], device=target.device),
-                              attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=target.device),
+        out = target.generate(torch.tensor([ids], device=device),
+                              attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
                               assistant_model=helper, max_new_tokens=max_new_tokens,
                               eos_token_id=sorted(engine.eos_ids), pad_token_id=sorted(engine.eos_ids)[0], **kw)
     finally:
