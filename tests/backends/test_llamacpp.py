@@ -169,17 +169,7 @@ def test_hidden_states_and_eagle_refused(engine):
         engine.generate("hi", "hf_assisted")
 
 
-PROMPTS = [
-    "Explain speculative decoding in two sentences.",
-    "Write a Python function that returns the n-th Fibonacci number, with a docstring and type hints.",
-    "Repeat the following list exactly, then sort it alphabetically: pear, apple, fig, kiwi, banana, cherry.",
-    "What is 17 multiplied by 23? Show your working step by step.",
-    "Summarise this text in one paragraph: The quick brown fox jumps over the lazy dog. The dog, being lazy, "
-    "does not react. The fox jumps again, and again the dog does not react. Eventually the fox gives up.",
-    "Write a haiku about the ocean, then explain its imagery.",
-    "Translate to French: 'The library opens at nine and closes at five on weekdays.'",
-    "Write a SQL query that lists the ten customers with the highest total order value, and explain it.",
-]
+from ..test_smollm2 import PROMPTS  # the transformers exactness test's prompts
 # Trees under 64 nodes (the exact kernel path); the draft model is SmolLM2's GGUF itself on its own context.
 EXACT = [("pld", {}), ("recycle", {"budget": 16}), ("recycle", {"budget": 48, "scope": "hot"}),
          ("draft", {"model": "smollm2-135m", "budget": 4}),

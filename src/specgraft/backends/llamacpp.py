@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core.backend import VerifyOutput
+from ..core.backend import RowLengths, VerifyOutput
 from ..core.tree import Tree
 from ..errors import SpecgraftError
 
@@ -120,7 +120,7 @@ class LlamaModel:
             self.ptr = None
 
 
-class LlamaCppBackend:
+class LlamaCppBackend(RowLengths):
     """B rows over one llama.cpp context; the interface of :class:`specgraft.core.backend.TargetBackend`."""
 
     name = "llamacpp"
@@ -169,20 +169,6 @@ class LlamaCppBackend:
         # per row, of the last verify: (a sequence through each node, the borrowed ids, each node's depth)
         self._steps: list[tuple[list[int], list[int], list[int]]] = []
         self._spec: list[tuple[int, int]] = []  # extend(): (sequence, position) of each speculative node
-
-    @property
-    def rows(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def width(self) -> int:
-        return max(self.lengths, default=0)
-
-    @property
-    def prefix_len(self) -> int:
-        if self.rows != 1:
-            raise ValueError(f"prefix_len needs exactly one row, the cache has {self.rows}")
-        return self.lengths[0]
 
     def _used(self) -> int:
         """Cells in use (committed prefixes, ballast, graveyard): what the shared cache must hold before a step."""

@@ -96,7 +96,28 @@ def cache_keyword(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-class TargetBackend:
+class RowLengths:
+    """Row bookkeeping both backends share: ``lengths[i]`` = row ``i``'s committed tokens."""
+
+    lengths: list[int]
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        return max(self.lengths, default=0)
+
+    @property
+    def prefix_len(self) -> int:
+        """The committed length of the only row (single-sequence API)."""
+        if self.rows != 1:
+            raise ValueError(f"prefix_len needs exactly one row, the cache has {self.rows}")
+        return self.lengths[0]
+
+
+class TargetBackend(RowLengths):
     name = "transformers"
     def __init__(self, model: torch.nn.Module):
         check_tree_support(model.config)
@@ -120,20 +141,6 @@ class TargetBackend:
         self.lengths: list[int] = []  # committed tokens per row (= the position of its next root)
         self._col0 = 0  # the first tree column of the last verify
 
-    @property
-    def rows(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def width(self) -> int:
-        return max(self.lengths, default=0)
-
-    @property
-    def prefix_len(self) -> int:
-        """The committed length of the only row (single-sequence API)."""
-        if self.rows != 1:
-            raise ValueError(f"prefix_len needs exactly one row, the cache has {self.rows}")
-        return self.lengths[0]
 
     def _forward(self, ids, positions, mask, hidden_layers, logits_to_keep: int = 0):
         dev = self.device
