@@ -12,6 +12,7 @@ A single request is B = 1 of the same code. ``generate`` / ``stream`` / ``bench`
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,17 @@ from .registry import DEFAULTS, REFERENCES, check_lossy, check_options, make_dra
 from .text import TextState, chat_ids
 
 clock = time.perf_counter
+MAX_DRAFTERS = 16  # cached drafter prototypes (one per method and option set): a bound, not a working-set guess
+BACKLOG = 4096  # other requests' outputs kept while one stream drives the engine (oldest dropped beyond it)
+
+
+class NoCapacity(SpecgraftError):
+    """The request fits the model but not beside the requests in flight (KV cells, sequence ids): nothing was
+    changed; admit it once some finish (the server keeps it queued). ``need``: what it reserves."""
+
+    def __init__(self, message: str, need: dict[str, int]):
+        super().__init__(message)
+        self.need = need
 
 
 def first_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
@@ -108,6 +120,7 @@ class Request:
     config: dict
     text: TextState | None  # None: token-level request (no detokenisation, no stop strings)
     on_verify: Callable[[Tree, torch.Tensor], None] | None = None
+    reserve: dict[str, int] = field(default_factory=dict)  # backend resources held while it runs
     gen: torch.Generator | None = None
     ids: list[int] = field(default_factory=list)  # prompt + output: ids[-1] is the next tree's root
     output: list[int] = field(default_factory=list)
@@ -159,12 +172,16 @@ class Engine:
         self.tokenizer, self.model_name, self.dtype = tok, name, dtype
         self.vocab_size = backend.vocab_size
         self.eos_ids = {*eos, *([tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else [])}
-        self._drafters: dict[tuple, Drafter] = {}
+        # drafter prototypes by (method, options), least recently used first; and builds that failed (a
+        # draft model that cannot load is not retried on every request)
+        self._drafters: collections.OrderedDict[tuple, Drafter] = collections.OrderedDict()
+        self._drafter_errors: dict[tuple, Exception] = {}
         self._auto: dict[tuple, tuple[int, dict]] = {}
         self.active: list[Request] = []  # in cache-row order
         self._done: list[RequestOutput] = []  # outputs produced between steps (prefill, abort)
         self._ids = itertools.count()
-        self.backlog: list[RequestOutput] = []  # other requests' outputs met while driving one stream
+        # other requests' outputs met while driving one stream (bounded: nobody may be reading them)
+        self.backlog: collections.deque[RequestOutput] = collections.deque(maxlen=BACKLOG)
         self.totals = Stats("engine")  # engine-wide: steps, target forward, drafting, step wall time
         # The scheduler's say (serve/policy.py): (request, batch size) -> this step's budget, at most the request's.
         self.budget_policy: Callable[[Request, int], int] | None = None
@@ -190,9 +207,20 @@ class Engine:
                 assistant(options.get("model", DEFAULTS[method]["model"]), self.dtype, self.vocab_size, self.device)
             return None
         key = (method, tuple(sorted(options.items())))
+        if key in self._drafter_errors:
+            raise self._drafter_errors[key]
         if key not in self._drafters:
-            self._drafters[key] = make_drafter(method, self.vocab_size, self.dtype, target=self.backend.model,
-                                               target_name=self.model_name, device=self.device, **options)
+            try:
+                built = make_drafter(method, self.vocab_size, self.dtype, target=self.backend.model,
+                                     target_name=self.model_name, device=self.device, **options)
+            except Exception as err:
+                if len(self._drafter_errors) < MAX_DRAFTERS:
+                    self._drafter_errors[key] = err
+                raise
+            self._drafters[key] = built
+            while len(self._drafters) > MAX_DRAFTERS:
+                self._drafters.popitem(last=False)  # running requests hold forks, not the prototype
+        self._drafters.move_to_end(key)
         return self._drafters[key]
 
     def auto_budget(self, method: str, options: dict) -> tuple[int, dict]:
@@ -232,12 +260,17 @@ class Engine:
         if need > self.backend.max_positions:
             raise SpecgraftError(f"prompt too long: {len(ids)} tokens + {max_new_tokens} new (+ {budget + 1} tree "
                                  f"slots) exceeds the model's {self.backend.max_positions} positions")
+        reserve = self.backend.reservation(len(ids), max_new_tokens, budget)
+        over = {k: (v, cap) for k, v in reserve.items() if v > (cap := self.backend.capacity().get(k, v))}
+        if over:
+            raise SpecgraftError("this request can never fit the backend: " + ", ".join(
+                f"{k} {v} > {cap}" for k, (v, cap) in over.items()) + " (a smaller budget or max_new_tokens)")
         config = self._config(method, options, budget, sampling, max_new_tokens, chat, stop, rule, auto)
         verify_fn = verify_tree if not rule.lossy else \
             (lambda tree, logits, params, gen: verify_tree_lossy(tree, logits, params, gen, rule))
         text = TextState(self.tokenizer, tuple(stop)) if self.tokenizer is not None else None
         return Request(next(self._ids), ids, drafter, sampling, max_new_tokens, budget, verify_fn,
-                       Stats(method=drafter.name, verify=rule.spec), config, text)
+                       Stats(method=drafter.name, verify=rule.spec), config, text, reserve=reserve)
 
     def _config(self, method, options, budget, sampling, max_new_tokens, chat, stop, rule, auto) -> dict:
         # A drafter's own ``model`` option (the draft model) is recorded as ``draft_model``: ``model`` is the target.
@@ -265,23 +298,43 @@ class Engine:
         self._admit(req)
         return req.id
 
+    def reserved(self) -> dict[str, int]:
+        """Backend resources held by the requests in flight (each holds its worst case from admission on)."""
+        out: dict[str, int] = {}
+        for r in self.active:
+            for k, v in r.reserve.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def fits(self, reserve: dict[str, int]) -> bool:
+        """Whether a request needing ``reserve`` fits beside those in flight (Backend.capacity)."""
+        cap, held = self.backend.capacity(), self.reserved()
+        return all(held.get(k, 0) + v <= cap.get(k, held.get(k, 0) + v) for k, v in reserve.items())
+
     def _admit(self, req: Request) -> None:
+        """Prefill and join, all or nothing: on any error the row is gone and only this request fails."""
+        if not self.fits(req.reserve):
+            raise NoCapacity(f"request {req.id} needs {req.reserve}; in flight hold {self.reserved()} of "
+                             f"{self.backend.capacity()}", req.reserve)
         req.t0 = t0 = clock()
         d = req.drafter
         rows = torch.tensor(last_occurrences(req.prompt_ids)) if d.needs_prefill_logits else False
         pre = self.backend.add(torch.tensor(req.prompt_ids, dtype=torch.long), rows, d.hidden_layers)
         self.active.append(req)
+        first: list[RequestOutput] = []
         try:
             d.start(req.prompt_ids, pre.logits if d.needs_prefill_logits else None, pre.hidden)
-        except Exception:  # a drafter that cannot start must not leave a row behind for the other requests
-            self.backend.remove(len(self.active) - 1)
-            self.active.pop()
+            req.gen = make_generator(req.params.seed)
+            tok = first_token(pre.logits[-1], req.params, req.gen)
+            req.stats.prefill_s += clock() - t0
+            req.ids = [*req.prompt_ids]
+            self._emit(req, [tok], ["prefill"], first)
+        except Exception:  # nothing of it may stay behind for the other requests
+            if req in self.active:
+                self.backend.remove(self.active.index(req))
+                self.active.remove(req)
             raise
-        req.gen = make_generator(req.params.seed)
-        tok = first_token(pre.logits[-1], req.params, req.gen)
-        req.stats.prefill_s += clock() - t0
-        req.ids = [*req.prompt_ids]
-        self._emit(req, [tok], ["prefill"], self._done)
+        self._done.extend(first)
 
     def abort(self, request_id: int) -> bool:
         """Stop a request now and free its cache row; its final output comes out of the next :meth:`step`.
@@ -310,7 +363,8 @@ class Engine:
             return outs
         t0 = clock()
         trees, draft_s = [], 0.0
-        fwd0 = sum(r.drafter.forward_s for r in self.active)
+        fwd0 = {r.id: r.drafter.forward_s for r in self.active}  # draft forwards this step, per request
+        draft_fwd = 0.0
         batch = len(self.active)
         for r in list(self.active):
             t = clock()
@@ -318,6 +372,7 @@ class Engine:
             try:
                 tree = r.drafter.propose(DraftContext(r.ids, budget, r.params))
             except Exception as err:  # noqa: BLE001 -- one request's drafter failing ends that request only
+                draft_fwd += r.drafter.forward_s - fwd0[r.id]
                 self._fail(r, err, outs)
                 continue
             trees.append(tree)
@@ -335,7 +390,6 @@ class Engine:
                 r.on_verify(tree, res.logits)
             verdicts.append(r.verify(tree, res.logits, r.params, r.gen))
         self.backend.commit_batch([v.accepted for v in verdicts])
-        fwd1 = 0.0
         for r, tree, res, v in zip(list(self.active), trees, results, verdicts):
             t = clock()
             hidden = {h: res.hidden[h] for h in r.drafter.hidden_layers} if r.drafter.hidden_layers else None
@@ -346,7 +400,7 @@ class Engine:
                 failed = err
             r.stats.draft_s += clock() - t
             draft_s += clock() - t
-            fwd1 += r.drafter.forward_s
+            draft_fwd += r.drafter.forward_s - fwd0[r.id]
             new = cut_at_eos(tree.tokens[v.accepted[1:]].tolist() + [v.bonus], self.eos_ids, r.room)
             src = [_LABEL.get(x, "head") for x in tree.source[v.accepted[1:]].tolist()] + ["bonus"]
             kids = tree.children
@@ -359,7 +413,7 @@ class Engine:
         tot.steps += 1
         tot.verify_s += forward
         tot.draft_s += draft_s
-        tot.draft_forward_s += fwd1 - fwd0
+        tot.draft_forward_s += draft_fwd
         tot.total_s += clock() - t0
         return outs
 
@@ -438,18 +492,23 @@ class Engine:
 
     def _drive(self, req: Request, stream: "Stream") -> Iterator[str]:
         self._admit(req)
-        while True:
-            for o in self.step():
-                if o.request_id != req.id:
-                    self.backlog.append(o)
-                    continue
-                if o.text:
-                    yield o.text
-                if o.finished:
-                    if o.error is not None:  # this request's drafter raised: a bug, not bad input
-                        raise RuntimeError(f"request {req.id} failed: {o.error}")
-                    stream.result = o.result
-                    return
+        finished = False
+        try:
+            while not finished:
+                for o in self.step():
+                    if o.request_id != req.id:
+                        self.backlog.append(o)
+                        continue
+                    if o.finished:
+                        finished = True
+                        if o.error is not None:  # this request's drafter raised: a bug, not bad input
+                            raise RuntimeError(f"request {req.id} failed: {o.error}")
+                        stream.result = o.result
+                    if o.text:
+                        yield o.text
+        finally:  # the caller stopped early (break, close, an exception): the request leaves the batch now
+            if not finished and self.abort(req.id):
+                self._done = [o for o in self._done if o.request_id != req.id]
 
     def _reference(self, method, prompt, sampling, max_new_tokens, stop, chat, verify, options) -> "Stream":
         """A library's own speculative loop (transformers' assisted generation, llama-cpp-python's prompt
@@ -496,6 +555,18 @@ class Stream:
 
     def __iter__(self) -> Iterator[str]:
         yield from self._pieces
+
+    def close(self) -> None:
+        """Stop early: a request still running leaves the engine's batch (also on ``with`` exit and GC)."""
+        close = getattr(self._pieces, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _eos(hf_model) -> set[int]:

@@ -241,3 +241,49 @@ def test_sampling_through_the_loop_matches_ar(broken, monkeypatch, engine):
     n = N_NEGATIVE if broken else 1500
     check_loop(monkeypatch, broken, sample, exact, n, "recycle on llama.cpp")
     assert sum(spec) > n / 10, sum(spec)
+
+
+def test_a_verify_never_committed_does_not_leak_into_the_next(engine):
+    """A step that raised between verify and commit leaves home with an uncommitted tail: the next verify must
+    drop it before copying home into its borrowed sequences (issue 23, finding 6), or later logits silently
+    stop being the target's."""
+    be = engine.backend.clone()
+    be.prefill(torch.tensor(PROMPT))
+    be.verify(random_tree(16, seed=7))  # never committed
+    tree = random_tree(12, seed=8)
+    out = be.verify(tree).logits
+    for node in range(tree.size):
+        ref = single_steps(engine, PROMPT + path_of(tree, node), len(PROMPT))[-1]
+        assert torch.allclose(out[node], ref, atol=1e-4), node
+    be.commit([0])
+    assert len(be._free) == 253 and be.prefix_len == len(PROMPT) + 1
+
+
+def test_serving_reserves_sequence_ids_and_cells(engine, monkeypatch):
+    """Twelve sampled Token Recycling requests (80-node trees, up to 79 borrowed ids each, never shrunk under
+    sampling) on 253 sequence ids: they used to exhaust the pool and fail the whole batch with 500s; now each
+    reserves its worst case at admission and the rest wait in the queue (issue 23, finding 4)."""
+    import concurrent.futures as cf
+
+    import httpx
+
+    from specgraft.serve.app import Server
+
+    from ..serve.live import Live
+    from ..serve.test_runner import Gate
+
+    server = Server.start(engine, method="recycle", max_num_seqs=12, batch_budget=False, warm=False)
+    gate, runner = Gate(engine, monkeypatch), server.runner
+    poem = "Write a long poem about the sea, the wind, the sand and the ships that sail at night."
+    body = {"messages": [{"role": "user", "content": poem}], "temperature": 0.8, "max_tokens": 40}
+    with Live(server) as url, cf.ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(httpx.post, url + "/v1/chat/completions", json={**body, "seed": s}, timeout=300)
+                   for s in range(12)]
+        assert runner.wait_for(lambda: len(runner.running) + len(runner.waiting) == 12)  # all in before a step
+        gate.open()
+        rs = [f.result() for f in futures]
+    assert [r.status_code for r in rs] == [200] * 12, [r.text for r in rs if r.status_code != 200][:1]
+    assert server.runner.deferred >= 1  # some waited for ids instead of failing the batch
+    assert engine.backend.rows == 0 and engine.reserved() == {}
+    need = engine.backend.reservation(40, 6, 80)
+    assert need == {"kv_cells": 40 + 6 + 81, "seq_ids": 81} and engine.backend.capacity()["seq_ids"] == 255

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 
-import httpx
 import uvicorn
 
 from specgraft.serve.app import Server, create_app
@@ -18,13 +16,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, telling a test thread when it listens (an event, not a poll)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.ready = threading.Event()
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        self.ready.set()
+
+
 class Live:
     """``with Live(server) as url:`` serves ``create_app(server)`` on a free port until the block ends; the
     engine thread is stopped and every request still in the engine aborted afterwards."""
 
     def __init__(self, server: Server):
         self.server, self.port = server, free_port()
-        self.uv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=self.port,
+        self.uv = _Uvicorn(uvicorn.Config(create_app(server), host="127.0.0.1", port=self.port,
                                                 log_level="warning"))
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
 
@@ -34,14 +44,9 @@ class Live:
 
     def __enter__(self) -> str:
         self.thread.start()
-        for _ in range(200):
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self.url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError("the test server did not start")
+        if not self.uv.ready.wait(60) or not self.uv.started:
+            raise RuntimeError("the test server did not start")
+        return self.url
 
     def __exit__(self, *exc) -> None:
         self.uv.should_exit = True

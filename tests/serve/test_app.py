@@ -147,13 +147,23 @@ def test_seeded_sampling_is_the_same_whatever_runs_beside_it(smol):
     url = smol.url + "/v1/chat/completions"
     others = [{"messages": [{"role": "user", "content": p}], "temperature": 0.9, "seed": s, "max_tokens": 40,
                "method": m} for s, (p, (m, _)) in enumerate(zip(PROMPTS, MIXED))]
+    runner = smol.server.runner
+    joined = {}
+
+    def mine_joined_a_running_batch():  # evaluated after each loop turn: mine admitted while others decode
+        seeds = [t.kwargs["sampling"].seed for t in list(runner.running.values())]
+        if 7 in seeds and len(seeds) > 1:
+            joined["beside"] = len(seeds) - 1
+        return "beside" in joined
+
     with cf.ThreadPoolExecutor(7) as pool:
         crowd = [pool.submit(httpx.post, url, json=o, timeout=600) for o in others]
-        time.sleep(0.3)  # the seeded request joins a batch already running
+        assert runner.wait_for(lambda: len(runner.running) >= 6)  # the crowd is decoding
         mine = pool.submit(httpx.post, url, json=body, timeout=600)
+        assert runner.wait_for(mine_joined_a_running_batch)
         assert all(f.result().status_code == 200 for f in crowd)
         text = mine.result().json()["choices"][0]["message"]["content"]
-    assert text == smol.seeded.text
+    assert joined["beside"] >= 1 and text == smol.seeded.text
 
 
 @pytest.mark.slow
@@ -165,10 +175,9 @@ def test_client_disconnect_mid_stream_frees_the_row(smol):
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert all(x.startswith("data: ") or x == "" for x in got)
-    deadline = time.time() + 20
-    while time.time() < deadline and (smol.server.runner.running or smol.engine.active):
-        time.sleep(0.05)
-    assert not smol.server.runner.running and not smol.engine.active and smol.engine.backend.rows == 0
+    runner = smol.server.runner
+    assert runner.wait_for(lambda: not runner.running and not smol.engine.active, timeout=60)
+    assert smol.engine.backend.rows == 0
     after = metric(httpx.get(smol.url + "/metrics").text, "specgraft:request_success_total", finished_reason="abort")
     assert after == before + 1
 

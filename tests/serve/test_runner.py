@@ -1,14 +1,18 @@
 """The engine thread under pressure (serve/runner.py), on the tiny engine: a full queue answers 429 with
-Retry-After, a deadline 504, a failing batched forward 500 for its requests only, and the loop keeps serving."""
+Retry-After, a deadline 504, a failing batched forward 500 for its requests only, admission all or nothing, a
+dead loop 503 at once, and the loop keeps serving. Tests wait on the server's own state (``Runner.wait_for``)
+or on events they control, never on sleeps."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import time
+import threading
 
 import httpx
 import pytest
 
+import specgraft.engine as engine_mod
+from specgraft.serve import runner as runner_mod
 from specgraft.serve.app import Server
 
 from .live import Live
@@ -16,53 +20,95 @@ from .live import Live
 BODY = {"messages": [{"role": "user", "content": "Tell me a story."}], "temperature": 0, "method": "ar"}
 
 
-@pytest.fixture
-def slow_engine(tiny_engine, monkeypatch):
-    """Every step takes at least 20 ms, so requests overlap."""
-    real = tiny_engine.step
+class Gate:
+    """Holds engine steps until the test lets them through: :meth:`allow` n steps, or :meth:`open` for all."""
 
-    def step():
-        time.sleep(0.02)
-        return real()
+    def __init__(self, engine, monkeypatch):
+        self.sem, self.free, self.real = threading.Semaphore(0), False, engine.step
+        monkeypatch.setattr(engine, "step", self.step)
 
-    monkeypatch.setattr(tiny_engine, "step", step)
-    return tiny_engine
+    def step(self):
+        if not self.free:
+            assert self.sem.acquire(timeout=60), "the test never let this step through"
+        return self.real()
+
+    def allow(self, n: int = 1):
+        for _ in range(n):
+            self.sem.release()
+
+    def open(self):
+        self.free = True
+        self.sem.release()  # the step waiting now, if any
+
+    def close(self):
+        self.free = False
+        while self.sem.acquire(blocking=False):
+            pass
 
 
 def post(url, **body):
     return httpx.post(url + "/v1/chat/completions", json={**BODY, **body}, timeout=60)
 
 
-def test_full_queue_gets_429_with_retry_after(slow_engine):
-    server = Server.start(slow_engine, method="ar", max_num_seqs=1, max_queue=1, batch_budget=False)
+def test_full_queue_gets_429_with_retry_after(tiny_engine, monkeypatch):
+    server = Server.start(tiny_engine, method="ar", max_num_seqs=1, max_queue=1, batch_budget=False)
+    gate = Gate(tiny_engine, monkeypatch)
+    runner = server.runner
     with Live(server) as url, cf.ThreadPoolExecutor(4) as pool:
         first = pool.submit(post, url, max_tokens=60)
-        time.sleep(0.3)  # running
+        assert runner.wait_for(lambda: len(runner.running) == 1)  # admitted, its first step held at the gate
         second = pool.submit(post, url, max_tokens=5)
-        time.sleep(0.2)  # waiting: the queue (1) is full now
+        assert runner.wait_for(lambda: len(runner.waiting) == 1)  # the queue (1) is full now
         third = post(url, max_tokens=5)
         assert third.status_code == 429 and int(third.headers["Retry-After"]) >= 1
         assert third.json()["error"]["type"] == "rate_limit_error" and third.json()["error"]["code"] == "queue_full"
+        gate.open()
         assert first.result().status_code == 200 and second.result().status_code == 200
 
 
-def test_no_queue_still_admits_into_a_free_slot(slow_engine):
-    server = Server.start(slow_engine, method="ar", max_num_seqs=2, max_queue=0, batch_budget=False)
+def test_no_queue_still_admits_into_a_free_slot(tiny_engine):
+    server = Server.start(tiny_engine, method="ar", max_num_seqs=2, max_queue=0, batch_budget=False)
     with Live(server) as url:
         assert post(url, max_tokens=4).status_code == 200
 
 
-def test_deadline_gives_504_and_a_stream_error_event(slow_engine):
-    server = Server.start(slow_engine, method="ar", max_num_seqs=2, timeout_s=0.4, batch_budget=False)
-    with Live(server) as url:
-        r = post(url, max_tokens=200)
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_deadline_gives_504_and_a_stream_error_event(tiny_engine, monkeypatch):
+    """The runner's clock is the test's: a request's deadline passes exactly when the test says so."""
+    clock = FakeClock()
+    monkeypatch.setattr(runner_mod, "clock", clock)
+    server = Server.start(tiny_engine, method="ar", max_num_seqs=2, timeout_s=10.0, batch_budget=False)
+    runner = server.runner
+
+    def expire_once_running():
+        assert runner.wait_for(lambda: runner.running)
+        clock.now += 11.0  # past the deadline: the next turn aborts it
+
+    with Live(server) as url, cf.ThreadPoolExecutor(2) as pool:
+        gate = Gate(tiny_engine, monkeypatch)
+        r = pool.submit(post, url, max_tokens=200)
+        expire_once_running()
+        gate.open()
+        r = r.result()
         assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
+        gate.close()
         with httpx.stream("POST", url + "/v1/chat/completions", json={**BODY, "max_tokens": 200, "stream": True},
                           timeout=60) as s:
-            lines = [x for x in s.iter_lines() if x.startswith("data: ")]
-        assert '"error"' in lines[-2] and lines[-1] == "data: [DONE]"
+            lines = s.iter_lines()
+            assert next(lines).startswith("data: ")  # the role chunk
+            expire_once_running()
+            gate.open()
+            rest = [x for x in lines if x.startswith("data: ")]
+        assert '"error"' in rest[-2] and rest[-1] == "data: [DONE]"
         assert post(url, max_tokens=3).status_code == 200  # a short one still fits its deadline
-        assert not server.runner.running and server.engine.backend.rows == 0
+        assert runner.wait_for(lambda: not runner.running and server.engine.backend.rows == 0)
 
 
 def test_a_failing_forward_fails_its_batch_only_and_the_loop_goes_on(tiny_engine, monkeypatch):
@@ -83,3 +129,113 @@ def test_a_failing_forward_fails_its_batch_only_and_the_loop_goes_on(tiny_engine
         ok = post(url, max_tokens=20)
         assert ok.status_code == 200 and httpx.get(url + "/health").json()["status"] == "ok"
         assert server.engine.backend.rows == 0
+
+
+# -- admission (issue 23, findings 1 and 2) ------------------------------------------------------------------------
+def test_requests_that_finish_during_admission_keep_the_loop_alive(tiny_engine, monkeypatch):
+    """max_tokens 1 (or a first token that hits a stop string) finishes inside add_request: the runner used to read
+    ``engine.active[-1]`` then, which raised and killed the loop, or on a busy server named another request."""
+    server = Server.start(tiny_engine, method="ar", max_num_seqs=4, batch_budget=False)
+    solo = tiny_engine.generate("Tell me a story.", "ar", max_new_tokens=1)
+    first = tiny_engine.tokenizer.decode(solo.token_ids, skip_special_tokens=True)
+    gate, runner = Gate(tiny_engine, monkeypatch), server.runner
+    with Live(server) as url, cf.ThreadPoolExecutor(3) as pool:
+        long = pool.submit(post, url, max_tokens=60, messages=[{"role": "user", "content": "Hi"}])
+        assert runner.wait_for(lambda: runner.running)  # its first step is held: it stays in the batch
+        one = pool.submit(post, url, max_tokens=1)
+        stopped = pool.submit(post, url, max_tokens=8, stop=[first[:1]]) if first else None
+        assert runner.wait_for(lambda: len(runner.waiting) == 1 + (stopped is not None))
+        gate.open()  # both are admitted beside the long one, and finish there
+        one = one.result()
+        assert one.status_code == 200, one.text
+        assert one.json()["usage"]["prompt_tokens"] == len(solo.prompt_ids)
+        assert one.json()["choices"][0]["message"]["content"] == solo.text
+        if stopped is not None:
+            assert stopped.result().status_code == 200
+            assert stopped.result().json()["choices"][0]["finish_reason"] == "stop"
+        assert long.result().status_code == 200
+        assert httpx.get(url + "/health").status_code == 200 and runner.alive
+
+
+def test_a_request_failing_after_its_prefill_leaves_no_row(tiny_engine, monkeypatch):
+    """An error after the row is added (the generator, the first token) used to leave the row decoding to
+    max_tokens, uncounted; now admission is all or nothing and the error is this request's alone."""
+    server = Server.start(tiny_engine, method="ar", max_num_seqs=4, batch_budget=False)
+    real = engine_mod.first_token
+
+    def first_token(logits, params, gen):
+        if params.seed == 99:
+            raise RuntimeError("probabilities contain NaN")
+        return real(logits, params, gen)
+
+    monkeypatch.setattr(engine_mod, "first_token", first_token)
+    gate = Gate(tiny_engine, monkeypatch)  # a row left behind would be held here, in the batch
+    with Live(server) as url:
+        bad = post(url, max_tokens=50, temperature=0.5, seed=99)
+        assert bad.status_code == 500 and "NaN" not in bad.text
+        assert not tiny_engine.active and tiny_engine.backend.rows == 0 and not server.runner.running
+        gate.open()
+        for extreme in ({"seed": 2**64}, {"temperature": 1e-39}):  # pass no longer: a 400 naming the field
+            r = post(url, max_tokens=50, **extreme)
+            assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extreme)), r.text
+        assert post(url, max_tokens=4).status_code == 200
+        assert tiny_engine.backend.rows == 0 and server.runner.alive
+
+
+def test_a_dead_loop_answers_503_at_once_and_fails_health(tiny_engine, monkeypatch):
+    server = Server.start(tiny_engine, method="ar", max_num_seqs=2, batch_budget=False)
+
+    def broken(outs):
+        raise RuntimeError("a bug in delivery")
+
+    monkeypatch.setattr(server.runner, "_deliver", broken)
+    with Live(server) as url:
+        first = post(url, max_tokens=4)
+        assert first.status_code == 500
+        assert "a bug" not in first.text
+        assert server.runner.wait_for(lambda: not server.runner.alive)
+        r = httpx.post(url + "/v1/chat/completions", json={**BODY, "max_tokens": 4}, timeout=10)
+        # it used to queue a ticket nobody serves: the client hung (here: a ReadTimeout)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
+        assert httpx.get(url + "/health").status_code == 503
+
+
+def test_running_gauge_counts_the_engines_rows(tiny_engine, monkeypatch):
+    """``num_requests_running`` is the engine's rows (vLLM's meaning), so a row nobody waits for shows."""
+    tiny_engine.add_request("A row the server does not know about.", "ar", max_new_tokens=40)
+    gate = Gate(tiny_engine, monkeypatch)
+    server = Server.start(tiny_engine, method="ar", max_num_seqs=2, batch_budget=False, warm=False)
+    runner = server.runner
+    with Live(server) as url:
+        turns = runner.turns
+        gate.allow(1)  # one step of the orphan row; the next one waits at the gate
+        assert runner.wait_for(lambda: runner.turns > turns)
+        text = httpx.get(url + "/metrics").text
+        running = next(float(x.split()[-1]) for x in text.splitlines()
+                       if x.startswith("specgraft:num_requests_running{"))
+        assert not runner.running and len(tiny_engine.active) == 1 and running == 1
+        gate.open()
+        assert runner.wait_for(lambda: not tiny_engine.active)
+
+
+# -- reservation (finding 4), generic part: a request that does not fit beside the others waits ----------------
+def test_a_request_that_does_not_fit_beside_the_running_ones_waits(tiny_engine, monkeypatch):
+    """A backend whose shared resource (here 200 "cells") holds one such request at a time: the second waits
+    in the queue, first in line, and runs once the first finishes; one that can never fit gets a 400."""
+    backend = tiny_engine.backend
+    monkeypatch.setattr(backend, "capacity", lambda: {"cells": 200})
+    monkeypatch.setattr(backend, "reservation", lambda p, n, b: {"cells": p + n + b + 1})
+    server = Server.start(tiny_engine, method="ar", max_num_seqs=4, batch_budget=False, warm=False)
+    gate, runner = Gate(tiny_engine, monkeypatch), server.runner
+    with Live(server) as url, cf.ThreadPoolExecutor(2) as pool:
+        a = pool.submit(post, url, max_tokens=100)
+        assert runner.wait_for(lambda: len(runner.running) == 1)
+        b = pool.submit(post, url, max_tokens=100)  # fits alone, not beside the first
+        assert runner.wait_for(lambda: len(runner.waiting) == 1)
+        gate.allow(1)
+        assert runner.wait_for(lambda: runner.deferred >= 1)
+        assert len(runner.running) == 1 and len(runner.waiting) == 1 and len(tiny_engine.active) == 1
+        gate.open()
+        assert a.result().status_code == 200 and b.result().status_code == 200
+        never = post(url, max_tokens=180)  # more than the whole capacity: a 400, not a wait
+        assert never.status_code == 400 and "never fit" in never.json()["error"]["message"]

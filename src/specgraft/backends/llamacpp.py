@@ -170,6 +170,16 @@ class LlamaCppBackend(RowLengths):
         self._steps: list[tuple[list[int], list[int], list[int]]] = []
         self._spec: list[tuple[int, int]] = []  # extend(): (sequence, position) of each speculative node
 
+    def capacity(self) -> dict[str, int]:
+        """KV cells (ballast and graveyard are reclaimable, so not counted) and sequence ids (all but the
+        graveyard's)."""
+        return {"kv_cells": self.settings.n_ctx, "seq_ids": GRAVE}
+
+    def reservation(self, prompt_len: int, max_new: int, budget: int) -> dict[str, int]:
+        """A row holds its prefix and output, a tree of ``budget + 1`` nodes, its home and ballast ids, and
+        one borrowed id per leaf but the first (``budget`` nodes have at most ``budget`` leaves)."""
+        return {"kv_cells": prompt_len + max_new + budget + 1, "seq_ids": 2 + max(budget - 1, 0)}
+
     def _used(self) -> int:
         """Cells in use (committed prefixes, ballast, graveyard): what the shared cache must hold before a step."""
         return sum(self.lengths) + sum(self._ballast_cells) + self._grave_cells
@@ -286,9 +296,12 @@ class LlamaCppBackend(RowLengths):
         if big > self.settings.n_batch:
             raise SpecgraftError(f"llama.cpp backend: a tree of {big} nodes exceeds n_batch {self.settings.n_batch}")
         leaves = sum(sum(1 for k in t.children if not k) - 1 for t in trees)
-        if leaves > len(self._free):
+        stale = sum(len(step[1]) for step in self._steps)  # ids an uncommitted verify still holds (freed below)
+        if leaves > len(self._free) + stale:
             raise SpecgraftError(f"llama.cpp backend: this step's trees need {leaves} more sequence ids than the "
                                  f"{len(self._free)} free (smaller trees, or fewer requests at once)")
+        for i in range(self.rows):  # an earlier verify never committed: drop it before home is copied
+            self._drop_uncommitted(i)
         self._make_room(sum(t.size for t in trees))
         groups, cur, size = [], [], 0
         for i, t in enumerate(trees):
@@ -325,11 +338,16 @@ class LlamaCppBackend(RowLengths):
             while n >= 0:
                 node_seqs[n].append(s)
                 n = parents[n]
-        if self._steps[row][0]:  # an earlier verify of this row that was never committed: drop its nodes
-            self._release(self._steps[row][1])
-            self.lc.llama_memory_seq_rm(self.mem, home, self.lengths[row], -1)
         self._steps[row] = ([ns[0] for ns in node_seqs], borrowed, tree.depth.tolist())
         return node_seqs
+
+    def _drop_uncommitted(self, row: int) -> None:
+        """Release the borrowed ids of a verify that was never committed (a step that raised in between) and
+        trim home's uncommitted tail, so that the next borrowed copies of home hold exactly its prefix."""
+        if self._steps[row][0]:
+            self._release(self._steps[row][1])
+            self.lc.llama_memory_seq_rm(self.mem, self.home[row], self.lengths[row], -1)
+            self._steps[row] = ([], [], [])
 
     def commit_batch(self, accepted: list[list[int]]) -> None:
         """Per row, keep the root and the accepted path (node indices, root first); drop the other nodes."""

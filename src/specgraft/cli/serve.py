@@ -32,6 +32,14 @@ def serve(
     batch_budget: bool = typer.Option(True, help="Shrink each request's tree as the batch grows (lossless; "
                                       "docs/serving.md)."),
     served_model_name: Optional[str] = typer.Option(None, help="The model id clients send (default: --model)."),
+    methods: Optional[str] = typer.Option(None, help="Methods a request may choose, comma-separated; their drafters "
+                                          "are built at start-up (default: every method that builds here)."),
+    max_budget: int = typer.Option(128, help="The largest tree budget a request may ask for."),
+    client_options: str = typer.Option("none", help="Method options a request may set: none, all (trusted "
+                                       "clients), or KEY,KEY (docs/serving.md, Hardening)."),
+    api_key: Optional[str] = typer.Option(None, envvar="SPECGRAFT_API_KEY", help="Require 'Authorization: "
+                                          "Bearer KEY' on /v1/* (also from $SPECGRAFT_API_KEY)."),
+    max_body_bytes: int = typer.Option(4 << 20, help="Largest request body; beyond it: 413."),
     replicas: int = typer.Option(0, help="Run N replicas on Ray Serve instead of one uvicorn process "
                                  "(needs specgraft[ray]); 0 = no Ray."),
     num_cpus: float = typer.Option(1.0, help="Ray: CPUs reserved per replica."),
@@ -49,7 +57,9 @@ def serve(
 
         run_ray(dict(model=model, dtype=dtype, method=method, budget=budget_v, opts=opts, name=served_model_name,
                      max_num_seqs=max_num_seqs, max_queue=max_queue, timeout=request_timeout,
-                     max_tokens=max_tokens, cache_dir=cache_dir, batch_budget=batch_budget, backend=backend, device=device), replicas, num_cpus, max_replicas, host, port)
+                     max_tokens=max_tokens, cache_dir=cache_dir, batch_budget=batch_budget, backend=backend,
+                     device=device, methods=methods, max_budget=max_budget, client_options=client_options,
+                     api_key=api_key, max_body_bytes=max_body_bytes), replicas, num_cpus, max_replicas, host, port)
         return
     import uvicorn
 
@@ -57,7 +67,8 @@ def serve(
 
     quiet_transformers()
     server = build_server(model, dtype, method, budget_v, opts, served_model_name, max_num_seqs, max_queue,
-                          request_timeout, max_tokens, cache_dir, batch_budget, backend, device)
+                          request_timeout, max_tokens, cache_dir, batch_budget, backend, device, methods, max_budget,
+                          client_options, api_key, max_body_bytes)
     print(f"serving {server.name} ({server.method}) on http://{host}:{port}  (playground: /, metrics: /metrics)",
           file=sys.stderr)
     try:

@@ -80,6 +80,14 @@ class Backend(Protocol):
 
     def truncate(self, length: int) -> None: ...
 
+    def capacity(self) -> dict[str, int]:
+        """What is shared by every row and runs out (resource -> total): admission reserves against it."""
+        ...
+
+    def reservation(self, prompt_len: int, max_new: int, budget: int) -> dict[str, int]:
+        """The most of each ``capacity`` resource one request can hold at once (prompt, output, widest tree)."""
+        ...
+
 
 def check_tree_support(config) -> None:
     """Refuse models whose attention we cannot steer with one additive mask (sliding-window layers)."""
@@ -108,6 +116,14 @@ class RowLengths:
     @property
     def width(self) -> int:
         return max(self.lengths, default=0)
+
+    def capacity(self) -> dict[str, int]:
+        """Nothing shared runs out (a transformers cache grows with the longest row; rows are the server's
+        ``--max-num-seqs``)."""
+        return {}
+
+    def reservation(self, prompt_len: int, max_new: int, budget: int) -> dict[str, int]:
+        return {}
 
     @property
     def prefix_len(self) -> int:

@@ -19,6 +19,8 @@ from ..errors import SpecgraftError
 # Truncation-sampling settings: part of the target distribution a lossless method must match, and the
 # parameters the lossy rules' correct baselines use.
 TRUNCATION_KEYS = ("min_p", "eta")
+MIN_TEMPERATURE = 1e-5  # below it (but > 0) logits / temperature overflow float32 to inf: greedy is what is meant
+SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed's range
 
 
 @dataclass(frozen=True)
@@ -39,12 +41,15 @@ class SamplingParams:
             raise SpecgraftError(f"temperature must be a finite number, got {self.temperature!r}")
         if self.temperature < 0:
             raise SpecgraftError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise SpecgraftError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g} (smaller ones "
+                                 f"overflow the scaled logits), got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise SpecgraftError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise SpecgraftError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise SpecgraftError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed <= SEED_MAX):
+            raise SpecgraftError(f"seed must be an integer in [0, 2^63 - 1], got {self.seed!r}")
         for name in TRUNCATION_KEYS:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0.0 <= v <= 1.0):

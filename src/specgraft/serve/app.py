@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import socket
 import time
 import uuid
@@ -26,14 +27,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import Engine, RequestOutput
 from ..errors import SpecgraftError
-from ..registry import DEFAULTS, METHODS
+from ..registry import DEFAULTS
 from .metrics import Metrics
+from .options import ClientPolicy
 from .policy import BatchBudget
 from .protocol import APIError, ChatRequest, CompletionRequest, Job, to_job, validation_error
-from .runner import QueueFull, Runner, Ticket
+from .runner import EngineDead, QueueFull, Runner, Ticket, scrub
 
 log = logging.getLogger("specgraft.serve")
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+MAX_BODY_BYTES = 4 << 20  # a request body beyond it is refused (413) before it is parsed
+API_KEY_ENV = "SPECGRAFT_API_KEY"
 
 
 @dataclass
@@ -50,20 +54,29 @@ class Server:
     max_tokens: int = 256
     auto: dict | None = None  # how --method auto chose, for /v1/models and the playground
     replica: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")  # which process served
+    policy: ClientPolicy = field(default_factory=ClientPolicy)  # what a client may choose (options.py)
+    api_key: str | None = None  # clients send "Authorization: Bearer KEY" to /v1/*
+    max_body_bytes: int = MAX_BODY_BYTES
 
     @classmethod
     def start(cls, engine: Engine, name: str | None = None, method: str = "ar", options: dict | None = None,
               budget=None, max_num_seqs: int = 8, max_queue: int = 128, timeout_s: float | None = 600.0,
               max_tokens: int = 256, auto: dict | None = None, warm: bool = True,
-              batch_budget: bool = True) -> "Server":
+              batch_budget: bool = True, policy: ClientPolicy | None = None, api_key: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> "Server":
+        """``policy``: what clients may choose (default: every servable method whose drafter builds here, the
+        others left out and logged; a strict policy's methods must all build). ``api_key=None`` reads ``$SPECGRAFT_API_KEY`` ("" = none)."""
         name = name or engine.model_name
         metrics = Metrics(name)
         if warm:  # load the drafter (and resolve budget auto) now, not inside the first request
             engine.generate("Hello", method, max_new_tokens=2, budget=budget, **(options or {}))
+        policy = _build_drafters(engine, method, options or {}, policy)
         if batch_budget:  # smaller trees as the batch grows (policy.py); measured on the idle engine
             engine.budget_policy = BatchBudget(engine)
+        api_key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
         runner = Runner(engine, metrics, max_num_seqs, max_queue, timeout_s).start()
-        return cls(engine, runner, metrics, name, method, dict(options or {}), budget, max_tokens, auto)
+        return cls(engine, runner, metrics, name, method, dict(options or {}), budget, max_tokens, auto,
+                   policy=policy, api_key=api_key or None, max_body_bytes=max_body_bytes)
 
     def tokenize(self, job: Job) -> list[int]:
         """Prompt ids, with the context-length check (in a worker thread: a 1 MB prompt takes a while)."""
@@ -75,12 +88,16 @@ class Server:
             try:
                 ids = self.engine.encode(job.prompt, job.chat)
             except SpecgraftError as err:
-                raise APIError(400, str(err), param="messages" if job.chat else "prompt") from None
+                raise APIError(400, scrub(str(err)), param="messages" if job.chat else "prompt") from None
         budget = job.budget if isinstance(job.budget, int) else DEFAULTS.get(job.method, {}).get("budget", 0)
         limit = self.engine.backend.max_positions
-        if len(ids) + job.max_tokens + budget + 1 > limit:
+        room = limit - len(ids) - budget - 1  # completion tokens that fit beside the prompt and the widest tree
+        if job.max_tokens is None and room >= 1:  # no max_tokens: the server's default, clamped to what fits
+            job.max_tokens = min(self.max_tokens, room)
+        asked = job.max_tokens or self.max_tokens
+        if asked > room:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                                f"{len(ids) + job.max_tokens} tokens ({len(ids)} in the prompt, {job.max_tokens} for "
+                                f"{len(ids) + asked} tokens ({len(ids)} in the prompt, {asked} for "
                                 f"the completion) plus {budget + 1} tree slots. Please reduce the length of the "
                                 f"prompt or max_tokens.", param="messages" if job.chat else "prompt",
                            code="context_length_exceeded")
@@ -107,9 +124,77 @@ def _error(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
+def _build_drafters(engine: Engine, method: str, options: dict, policy: ClientPolicy | None) -> ClientPolicy:
+    """Build every allowed method's drafter now, so that no request loads a model on the engine thread."""
+    policy = policy or ClientPolicy()
+    ok = []
+    for m in dict.fromkeys((method, *policy.methods)):  # the default method first
+        try:
+            engine.drafter(m, **(options if m == method else {}))
+            ok.append(m)
+        except Exception as err:  # noqa: BLE001 -- e.g. no EAGLE head for this model
+            if policy.strict or m == method:
+                raise SpecgraftError(f"--methods: {m} cannot run on this model: {err}") from err
+            log.info("method %s left out (its drafter does not build here: %s)", m, err)
+    return ClientPolicy(tuple(ok), policy.max_budget, policy.option_keys, policy.strict)
+
+
+class Guard:
+    """ASGI middleware in front of every route: the API key on ``/v1/*`` (401), then the body size (413), so
+    neither a stranger nor an oversized body reaches parsing or the engine."""
+
+    def __init__(self, app, get):
+        self.app, self.get = app, get  # get(): the Server (or None while starting)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        srv = self.get()
+        if srv is None:
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if srv.api_key and scope["path"].startswith("/v1/"):
+            auth = headers.get("authorization", "")
+            if not (auth.startswith("Bearer ") and secrets.compare_digest(auth[7:].encode(), srv.api_key.encode())):
+                err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                               code="invalid_api_key")
+                return await _error(err)(scope, receive, send)
+        limit = srv.max_body_bytes
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            return await self._too_large(limit, scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        body, more = bytearray(), True
+        while more:  # read it all here (chunked bodies declare no length), counting
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > limit:
+                return await self._too_large(limit, scope, receive, send)
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        return await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _too_large(limit: int, scope, receive, send):
+        err = APIError(413, f"the request body exceeds this server's limit of {limit} bytes", code="body_too_large")
+        return await _error(err)(scope, receive, send)
+
+
 def create_app(server: Server | None = None) -> FastAPI:
     app = FastAPI(title="specgraft", description="OpenAI-compatible speculative decoding server")
     app.state.server = server
+    app.add_middleware(Guard, get=lambda: app.state.server or _SERVER)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
@@ -146,7 +231,8 @@ def create_app(server: Server | None = None) -> FastAPI:
             "id": srv.name, "object": "model", "created": 0, "owned_by": "specgraft",
             "max_model_len": srv.engine.backend.max_positions,
             "specgraft": {"method": srv.method, "budget": srv.budget, "options": srv.options,
-                          "methods": [m for m in METHODS if m != "hf_assisted"],  # the server runs the loop's only
+                          "methods": list(srv.policy.methods),  # what clients may choose (options.py)
+                          "max_budget": srv.policy.max_budget,
                           "budgets": {m: d["budget"] for m, d in DEFAULTS.items() if "budget" in d},
                           "dtype": srv.engine.dtype, "auto": srv.auto}}]}
 
@@ -170,11 +256,14 @@ async def _complete(request: Request, body, kind: str):
     if body.model not in (None, srv.name):
         raise APIError(404, f"The model `{body.model}` does not exist (this server serves `{srv.name}`).",
                        param="model", code="model_not_found")
-    job = to_job(body, srv.method, srv.options, srv.budget, srv.max_tokens)
+    job = to_job(body, srv.method, srv.options, srv.budget, srv.policy)
     ids = await run_in_threadpool(srv.tokenize, job)
     ticket = Ticket(job.engine_kwargs(), ids, asyncio.get_running_loop(), asyncio.Queue(), replica=srv.replica)
     try:
         srv.runner.submit(ticket)
+    except EngineDead:
+        raise APIError(503, "the engine loop has stopped; the server must be restarted", type="server_error",
+                       code="engine_stopped") from None
     except QueueFull:
         wait = srv.runner.retry_after_s()
         raise APIError(429, f"the server is at capacity ({srv.runner.max_num_seqs} running, {srv.runner.max_queue} "

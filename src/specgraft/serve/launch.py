@@ -10,15 +10,21 @@ from ..auto import choose_method
 from ..engine import Engine
 from ..errors import SpecgraftError
 from ..registry import check_options
-from .app import Server
+from .app import MAX_BODY_BYTES, Server
+from .options import DEFAULT_MAX_BUDGET, ClientPolicy
 
 
 def build_server(model: str, dtype: str, method: str, budget, opts: dict, name: Optional[str], max_num_seqs: int,
                  max_queue: int, timeout: float, max_tokens: int, cache_dir: Optional[str] = None,
-                 batch_budget: bool = True, backend: str = "transformers", device: str = "cpu"):
-    """Load the engine, resolve ``--method auto``, warm the drafter, start the engine thread."""
-    if max_num_seqs < 1 or max_queue < 0 or max_tokens < 1:
-        raise SpecgraftError("--max-num-seqs and --max-tokens must be >= 1, --max-queue >= 0")
+                 batch_budget: bool = True, backend: str = "transformers", device: str = "cpu",
+                 methods: Optional[str] = None, max_budget: int = DEFAULT_MAX_BUDGET,
+                 client_options: Optional[str] = None, api_key: Optional[str] = None,
+                 max_body_bytes: int = MAX_BODY_BYTES):
+    """Load the engine, resolve ``--method auto``, build the allowed methods' drafters, start the engine thread.
+    ``methods`` / ``max_budget`` / ``client_options``: what clients may choose (serve/options.py)."""
+    if max_num_seqs < 1 or max_queue < 0 or max_tokens < 1 or max_body_bytes < 1:
+        raise SpecgraftError("--max-num-seqs, --max-tokens and --max-body-bytes must be >= 1, --max-queue >= 0")
+    policy = ClientPolicy.parse(methods, max_budget, client_options)  # bad flags fail before the model loads
     if method == "auto" and (opts or budget is not None):
         raise SpecgraftError("--opt / --budget need an explicit --method (auto chooses its own)")
     if method != "auto":
@@ -31,4 +37,4 @@ def build_server(model: str, dtype: str, method: str, budget, opts: dict, name: 
         auto = {"method": method, "budget": budget, "reason": choice.reason}
         print(f"method auto: {choice.describe()} — {choice.reason}", file=sys.stderr)
     return Server.start(engine, name, method, opts, budget, max_num_seqs, max_queue, timeout or None, max_tokens,
-                        auto, batch_budget=batch_budget)
+                        auto, batch_budget=batch_budget, policy=policy, api_key=api_key, max_body_bytes=max_body_bytes)

@@ -13,10 +13,14 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..core.sampling import SamplingParams
+from ..core.sampling import SEED_MAX, SamplingParams
 from ..errors import SpecgraftError
 from ..lossy.rules import parse_rule
 from ..registry import check_lossy, check_options
+from .options import ClientPolicy
+
+MAX_STOP = 4  # OpenAI's "up to 4 sequences"
+MAX_STOP_CHARS = 256  # each; streamed text is held back by the longest one's length
 
 
 class APIError(Exception):
@@ -59,7 +63,7 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -102,7 +106,7 @@ class Job:
     chat: bool
     method: str
     sampling: SamplingParams
-    max_tokens: int
+    max_tokens: int | None  # None: the server's default, clamped to what fits
     stop: tuple[str, ...]
     budget: Union[int, str, None]
     verify: str
@@ -122,8 +126,10 @@ def _refuse(cond, param: str, message: str) -> None:
 
 
 def to_job(req: ChatRequest | CompletionRequest, default_method: str, default_options: dict,
-           default_budget, default_max_tokens: int) -> Job:
-    """Check what pydantic cannot (n, refused features, method options, lossy rules) and build the job."""
+           default_budget, policy: ClientPolicy | None = None) -> Job:
+    """Check what pydantic cannot (n, refused features, the client policy, method options, lossy rules) and
+    build the job. ``max_tokens`` stays None when the request sets none (the server clamps its default to
+    what fits the context once the prompt is tokenised)."""
     _refuse(req.n not in (None, 1), "n", f"n must be 1 (one choice per request), got {req.n}")
     _refuse(bool(req.logprobs) or getattr(req, "top_logprobs", None), "logprobs", "logprobs are not supported yet")
     _refuse(req.presence_penalty not in (None, 0, 0.0), "presence_penalty", "presence_penalty is not supported")
@@ -134,8 +140,9 @@ def to_job(req: ChatRequest | CompletionRequest, default_method: str, default_op
         _refuse(req.suffix, "suffix", "suffix is not supported")
         _refuse(req.best_of not in (None, 1), "best_of", "best_of must be 1")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    if any(not s for s in stop) or len(stop) > 16:
-        raise APIError(400, "stop must be up to 16 non-empty strings", param="stop")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stop) or len(stop) > MAX_STOP:
+        raise APIError(400, f"stop must be up to {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters",
+                       param="stop")
     if isinstance(req, ChatRequest):
         if not req.messages:
             raise APIError(400, "messages must not be empty", param="messages")
@@ -160,8 +167,7 @@ def to_job(req: ChatRequest | CompletionRequest, default_method: str, default_op
     budget = req.budget if req.budget is not None else (default_budget if req.method in (None, default_method)
                                                         else None)
     try:
-        if method == "hf_assisted":
-            raise SpecgraftError("hf_assisted is an outside reference with its own loop; the server does not run it")
+        (policy or ClientPolicy()).check(method, req.budget, req.options or {})
         check_options(method, options)
         sampling = SamplingParams(1.0 if req.temperature is None else req.temperature, req.top_k or 0,
                                   1.0 if req.top_p is None else req.top_p, req.seed, req.min_p or 0.0, req.eta or 0.0)
@@ -169,8 +175,11 @@ def to_job(req: ChatRequest | CompletionRequest, default_method: str, default_op
         if rule.lossy:
             check_lossy(rule, method, options, sampling)
     except SpecgraftError as err:
-        raise APIError(400, str(err), param="method" if "method" in str(err) else None) from None
-    return Job(prompt, chat, method, sampling, max_tokens or default_max_tokens, stop, budget, rule.spec, options,
+        msg = str(err)
+        param = next((p for p in ("budget", "options", "method", "temperature", "seed", "verify")
+                      if msg.startswith(p) or f"{p} '" in msg or f" {p} " in msg), None)
+        raise APIError(400, msg, param=param) from None
+    return Job(prompt, chat, method, sampling, max_tokens, stop, budget, rule.spec, options,
                req.stream, bool(req.stream_options and req.stream_options.include_usage), req.return_token_ids)
 
 

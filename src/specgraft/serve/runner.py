@@ -6,10 +6,13 @@ Each loop turn (docs/serving.md):
     3. one ``Engine.step()``: every running request's tree verified in ONE batched forward
     4. each output goes to its ticket's asyncio queue (``call_soon_threadsafe``), metrics are updated
 
-Requests wait in a bounded queue; beyond it :meth:`Runner.submit` raises :class:`QueueFull` (HTTP 429). A request
-whose validation fails at admission gets its error alone; a step that raises fails the requests in it (500) and
-frees their rows, and the loop goes on serving the rest. A drafter that raises ends only its own request
-(the engine isolates it).
+Requests wait in a bounded queue; beyond it :meth:`Runner.submit` raises :class:`QueueFull` (HTTP 429). Admission
+is all or nothing (``Engine._admit``): a request that fails there gets its error alone (400 for bad values, 500
+otherwise) and leaves no row behind. A request that fits the model but not beside those running (the backend's
+shared KV cells or sequence ids, ``Backend.capacity``) stays first in the queue until enough finish. A step that
+raises fails the requests in it (500) and frees their rows, and the loop goes on serving the rest. A drafter
+that raises ends only its own request (the engine isolates it). If the loop itself dies, :meth:`Runner.submit`
+raises :class:`EngineDead` (HTTP 503) and ``/health`` fails, so a supervisor restarts the process.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import collections
 import ctypes
 import ctypes.util
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine import Engine, RequestOutput
+from ..engine import Engine, NoCapacity, RequestOutput
 from ..errors import SpecgraftError
 from .metrics import Metrics
 
@@ -32,8 +36,20 @@ log = logging.getLogger("specgraft.serve")
 clock = time.monotonic
 
 
+_PATH = re.compile(r"(?<![\w.])(?:/[^\s'\"/:;,()]+){2,}/?")
+
+
+def scrub(message: str) -> str:
+    """An error message for a client: server paths replaced (a client must not probe the file system)."""
+    return _PATH.sub("<path>", message)
+
+
 class QueueFull(Exception):
     pass
+
+
+class EngineDead(Exception):
+    """The engine loop has stopped: nothing would serve a queued request."""
 
 
 def _malloc_trim():
@@ -57,13 +73,14 @@ class Ticket:
     prompt: Any
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    arrival: float = field(default_factory=clock)
+    arrival: float = field(default_factory=lambda: clock())  # looked up per call: tests set the runner's clock
     deadline: float | None = None
     request_id: int | None = None  # the engine's, once admitted
     cancelled: bool = False
     timed_out: bool = False
     prompt_tokens: int = 0
     last_t: float | None = None
+    need: dict | None = None  # backend resources it waits for (set when it did not fit)
     replica: str = ""  # the serving process (responses name it: Ray tests check who served)
 
     def put(self, item) -> None:
@@ -85,6 +102,9 @@ class Runner:
         self.stopped = False
         self.error: str | None = None  # set when the loop itself died: /health answers 503
         self.trim, self.finished = _malloc_trim(), 0
+        self.turns = 0  # loop turns so far; :meth:`wait_for` wakes on each, and on every admission and submit
+        self.deferred = 0  # admissions put off because the request did not fit beside the running ones
+        self._turn = threading.Condition()
         self.thread = threading.Thread(target=self._loop, name="specgraft-engine", daemon=True)
 
     def start(self) -> "Runner":
@@ -101,8 +121,21 @@ class Runner:
     def alive(self) -> bool:
         return self.thread.is_alive() and self.error is None
 
+    def wait_for(self, predicate, timeout: float = 60.0) -> bool:
+        """Block until ``predicate()`` holds after a loop turn (or now); False on timeout. For tests and tools
+        that must wait on the server's own state, not on sleeps."""
+        with self._turn:
+            return self._turn.wait_for(predicate, timeout)
+
+    def _turned(self, turn: bool = True) -> None:
+        with self._turn:
+            self.turns += turn
+            self._turn.notify_all()
+
     # -- called from handlers (any thread) ----------------------------------------------------------------
     def submit(self, ticket: Ticket) -> None:
+        if not self.alive:
+            raise EngineDead(self.error or "the engine loop is not running")
         if self.timeout_s:
             ticket.deadline = ticket.arrival + self.timeout_s
         with self.cond:
@@ -112,6 +145,7 @@ class Runner:
             self.waiting.append(ticket)
             self.metrics.waiting.labels(self.metrics.model_name).set(len(self.waiting))
             self.cond.notify()
+        self._turned(turn=False)
 
     def cancel(self, ticket: Ticket) -> None:
         """The client went away: abort at the next step boundary (a no-op when it already finished)."""
@@ -130,6 +164,7 @@ class Runner:
             while True:
                 with self.cond:
                     while not (self.stopped or self.waiting or self.running or self.engine.has_unfinished()):
+                        self._turned()  # idle: whoever waits on the server's state sees it settled
                         self.cond.wait()
                     if self.stopped:
                         return
@@ -137,18 +172,28 @@ class Runner:
                     admit = []
                     while self.waiting and len(self.running) + len(admit) < self.max_num_seqs:
                         admit.append(self.waiting.popleft())
-                    self.metrics.waiting.labels(self.metrics.model_name).set(len(self.waiting))
                 self._abort_running()
-                for t in admit:
-                    self._admit(t)
+                for i, t in enumerate(admit):
+                    if not self._admit(t):  # no room beside the running ones: it and those after it wait
+                        with self.cond:
+                            self.waiting.extendleft(reversed(admit[i:]))
+                        self.deferred += 1
+                        break
+                self._turned(turn=False)
                 self._deliver(self.engine.pending())  # first tokens now: TTFT is the prefill, not + one step
                 self._step()
-                self.metrics.running.labels(self.metrics.model_name).set(len(self.running))
+                m = self.metrics
+                m.running.labels(m.model_name).set(len(self.engine.active))  # vLLM's meaning: the engine's rows
+                m.waiting.labels(m.model_name).set(len(self.waiting))
+                self._turned()
         except BaseException as err:  # noqa: BLE001 -- the loop must not die silently
             self.error = f"{type(err).__name__}: {err}"
             log.exception("engine loop died")
-            for t in [*self.running.values(), *self.waiting]:
-                t.put(("error", 500, "the engine stopped; see the server log", "server_error"))
+            with self.cond:
+                for t in [*self.running.values(), *self.waiting]:
+                    t.put(("error", 500, "the engine stopped; see the server log", "server_error"))
+                self.waiting.clear()
+            self._turned()
 
     def _expire_waiting(self) -> None:
         now, keep = clock(), collections.deque()
@@ -169,22 +214,31 @@ class Runner:
                 t.timed_out = not t.cancelled
                 self.engine.abort(t.request_id)
 
-    def _admit(self, t: Ticket) -> None:
+    def _admit(self, t: Ticket) -> bool:
+        """Admit one ticket; False when it must wait for room (nothing changed). Errors end this ticket only."""
         if t.cancelled:
-            return
+            return True
+        if t.need is not None and not self.engine.fits(t.need):  # still no room: skip building the request
+            return False
         try:
             rid = self.engine.add_request(t.prompt, **t.kwargs)
+        except NoCapacity as err:
+            t.need = err.need
+            return False
         except SpecgraftError as err:
-            t.put(("error", 400, str(err), "invalid_request_error"))
-            return
+            t.put(("error", 400, scrub(str(err)), "invalid_request_error"))
+            return True
         except Exception as err:  # noqa: BLE001 -- e.g. a drafter that cannot load: this request only
             log.exception("admission failed")
             t.put(("error", 500, f"could not start the request ({type(err).__name__})", "server_error"))
-            return
+            return True
         t.request_id = rid
-        t.prompt_tokens = len(self.engine.active[-1].prompt_ids)  # admission appends the new request's row
+        # the ticket's prompt is token ids (the handler tokenised it); a request that finished during admission
+        # (max_tokens 1, a first token that is EOS or hits a stop string) has already left the engine's rows
+        t.prompt_tokens = len(t.prompt)
         self.metrics.prompt_tokens.labels(self.metrics.model_name).inc(t.prompt_tokens)
         self.running[rid] = t
+        return True
 
     def _step(self) -> None:
         if not self.engine.has_unfinished():
@@ -196,7 +250,9 @@ class Runner:
             for rid, t in list(self.running.items()):
                 t.put(("error", 500, "the engine failed on this batch; see the server log", "server_error"))
                 self.engine.abort(rid)
-            self.engine.step()  # drains the aborts (nothing is active any more)
+            for r in list(self.engine.active):  # rows nobody waits for (a library caller's) go too
+                self.engine.abort(r.id)
+            self.engine.pending()  # drops the aborts' outputs without stepping again
             self.running.clear()
             return
         self._deliver(outs)
