@@ -6,7 +6,8 @@ drafter is the server's. By default a client may
 - choose ``method`` among the server's ``--methods`` (the drafters built at start-up, so no request ever loads
   a model, a head or a calibration on the engine thread),
 - set ``budget`` from 0 to ``--max-budget`` (a budget bounds the tree the one batched forward verifies and the
-  draft forwards a step runs), or ``"auto"``,
+  draft forwards a step runs), or ``"auto"`` for the default method of a server started with ``--budget auto``
+  (resolved at start-up: elsewhere it would measure latency curves on the engine thread),
 - set ``verify`` (an opt-in lossy rule) and the sampling fields,
 
 and never a method option (``options``): those hold paths on the server (``head``, ``calibration``,
@@ -57,12 +58,16 @@ class ClientPolicy:
                 raise SpecgraftError(f"--client-options: unknown option(s) {sorted(keys - known)}")
         return cls(names, max_budget, keys, strict=methods is not None)
 
-    def check(self, method: str, budget, options: dict) -> None:
-        """Refuse what this policy does not let a client choose (SpecgraftError: a 400 naming the field)."""
+    def check(self, method: str, budget, options: dict, auto_ready: bool = False) -> None:
+        """Refuse what this policy does not let a client choose (SpecgraftError: a 400 naming the field).
+        ``auto_ready``: this method's ``budget="auto"`` was resolved at start-up."""
         if method not in self.methods:
             raise SpecgraftError(f"method '{method}' is not enabled on this server; it runs: {', '.join(self.methods)}")
         if isinstance(budget, int) and not 0 <= budget <= self.max_budget:
             raise SpecgraftError(f"budget must be between 0 and {self.max_budget} on this server, got {budget}")
+        if budget == "auto" and not auto_ready and self.option_keys is not None:
+            raise SpecgraftError("budget 'auto' is resolved at start-up for the server's default method only "
+                                 "(start it with --budget auto); send an integer budget")
         if self.option_keys is not None:
             refused = sorted(set(options) - self.option_keys)
             if refused:

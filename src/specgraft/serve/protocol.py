@@ -167,7 +167,8 @@ def to_job(req: ChatRequest | CompletionRequest, default_method: str, default_op
     budget = req.budget if req.budget is not None else (default_budget if req.method in (None, default_method)
                                                         else None)
     try:
-        (policy or ClientPolicy()).check(method, req.budget, req.options or {})
+        auto_ready = method == default_method and default_budget == "auto"
+        (policy or ClientPolicy()).check(method, req.budget, req.options or {}, auto_ready)
         check_options(method, options)
         sampling = SamplingParams(1.0 if req.temperature is None else req.temperature, req.top_k or 0,
                                   1.0 if req.top_p is None else req.top_p, req.seed, req.min_p or 0.0, req.eta or 0.0)
