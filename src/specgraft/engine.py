@@ -24,14 +24,15 @@ from .core.backend import Backend, TargetBackend
 from .core.drafter import DraftContext, Drafter, last_occurrences
 from .core.sampling import SamplingParams, make_generator, target_probs
 from .core.stats import Stats
-from .core.tree import SOURCE_CONTEXT, SOURCE_DRAFT, SOURCE_RETRIEVAL, Tree
+from .core.tree import Tree
 from .core.verify import Verdict, verify_tree
 from .errors import SpecgraftError
 from .graft.autotune import auto_budget
 from .lossy.rules import Rule, parse_rule
 from .lossy.verify import verify_tree_lossy
 from .models import load, resolve_device
-from .reference import assistant, hf_assisted, llama_pld
+from .outputs import _LABEL, TOKEN_SOURCES, Generation, RequestOutput, Stream  # noqa: F401 -- re-exported
+from .reference import assistant, reference_stream
 from .registry import DEFAULTS, REFERENCES, check_lossy, check_options, make_drafter
 from .text import TextState, chat_ids
 
@@ -60,48 +61,6 @@ def cut_at_eos(tokens: list[int], eos_ids: set[int], room: int) -> list[int]:
     """Tokens up to and including the first EOS, at most ``room`` of them."""
     end = next((i + 1 for i, t in enumerate(tokens) if t in eos_ids), len(tokens))
     return tokens[: min(end, room)]
-
-
-@dataclass
-class Generation:
-    text: str
-    token_ids: list[int]
-    prompt_ids: list[int]
-    stats: Stats
-    config: dict = field(default_factory=dict)
-    finish_reason: str = "length"  # eos | stop | length | abort | error
-
-    def to_record(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": len(self.prompt_ids),
-                "config": self.config, "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
-
-
-# Where each emitted token came from (the playground's colours, the server's by-source metrics): the first
-# token comes from the prefill; a step's accepted candidates from the drafter's model (EAGLE head / draft model)
-# or from retrieval: the adjacency matrix ("matrix") or a continuation copied from earlier in the sequence
-# ("context": prompt lookup, Graft's context source); its last token is the target's bonus token.
-TOKEN_SOURCES = ("prefill", "head", "matrix", "context", "bonus")
-_LABEL = {SOURCE_DRAFT: "head", SOURCE_RETRIEVAL: "matrix", SOURCE_CONTEXT: "context"}
-
-
-@dataclass
-class RequestOutput:
-    """What one step did for one request: its new tokens and text, and the result once it finished.
-
-    ``sources[i]`` labels ``token_ids[i]`` (one of TOKEN_SOURCES). ``draft_tokens`` / ``accepted`` are this step's
-    verified candidates and how many of them were accepted (before an EOS or length cut); 0 outside a step.
-    ``error`` is set when this request's drafter failed: the request alone ends (finish_reason "error")."""
-
-    request_id: int
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    result: Generation | None = None
-    sources: list[str] = field(default_factory=list)
-    segments: list[tuple[str, str]] = field(default_factory=list)  # ``text`` as (run, source); "".join == text
-    draft_tokens: int = 0
-    accepted: int = 0
-    error: str | None = None
 
 
 VerifyFn = Callable[[Tree, torch.Tensor, SamplingParams, torch.Generator], Verdict]
@@ -482,8 +441,8 @@ class Engine:
         ``verify``: ``"lossless"`` (default) or an opt-in LOSSY rule ``"lossy:RULE:PARAM"`` (lossy/rules.py).
         Other requests in flight advance too; their outputs are kept in ``self.backlog``."""
         if method in REFERENCES:
-            return self._reference(method, prompt, sampling or SamplingParams(), max_new_tokens, stop, chat, verify,
-                                   method_options)
+            return reference_stream(self, method, prompt, sampling or SamplingParams(), max_new_tokens, stop, chat,
+                                    verify, method_options)
         req = self._prepare(prompt, method, sampling, max_new_tokens, stop, chat, budget, verify, None,
                             method_options)
         stream = Stream(iter(()))
@@ -510,63 +469,11 @@ class Engine:
             if not finished and self.abort(req.id):
                 self._done = [o for o in self._done if o.request_id != req.id]
 
-    def _reference(self, method, prompt, sampling, max_new_tokens, stop, chat, verify, options) -> "Stream":
-        """A library's own speculative loop (transformers' assisted generation, llama-cpp-python's prompt
-        lookup): an outside reference, not a drafter of this loop."""
-        rule = parse_rule(verify)
-        if rule.lossy:
-            check_lossy(rule, method, options, sampling)
-        if stop:
-            raise SpecgraftError(f"{method} does not support stop strings")
-        self.drafter(method, **options)  # checks the options and the backend
-        opts = {**DEFAULTS[method], **options}
-        ids = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else \
-            self.encode(prompt, chat)
-        config = self._config(method, options, 0, sampling, max_new_tokens, chat, stop, rule, None)
-        stream = Stream(iter(()))
-
-        def pieces() -> Iterator[str]:
-            if method == "hf_assisted":
-                out, stats = hf_assisted(self, ids, sampling, max_new_tokens, opts["model"])
-            else:
-                out, stats = llama_pld(self, ids, sampling, max_new_tokens, opts["max_ngram_size"],
-                                       opts["num_pred_tokens"])
-            text = self.tokenizer.decode(out, skip_special_tokens=True)
-            yield text
-            stream.result = Generation(text, out, ids, stats, {**config, "drafter": {"method": method}},
-                                       "eos" if out and out[-1] in self.eos_ids else "length")
-
-        stream._pieces = pieces()
-        return stream
-
     def generate(self, prompt: str | list[dict] | list[int], method: str = "ar", **kwargs) -> Generation:
         stream = self.stream(prompt, method, **kwargs)
         for _ in stream:
             pass
         return stream.result
-
-
-class Stream:
-    """Iterate for text pieces; ``result`` holds the :class:`Generation` once iteration ends."""
-
-    def __init__(self, pieces: Iterator[str]):
-        self._pieces = pieces
-        self.result: Generation | None = None
-
-    def __iter__(self) -> Iterator[str]:
-        yield from self._pieces
-
-    def close(self) -> None:
-        """Stop early: a request still running leaves the engine's batch (also on ``with`` exit and GC)."""
-        close = getattr(self._pieces, "close", None)
-        if close is not None:
-            close()
-
-    def __enter__(self) -> "Stream":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _eos(hf_model) -> set[int]:

@@ -115,6 +115,7 @@ def _assemble_gguf(spec: ModelSpec, dest: Path) -> None:
 def _convert(spec: ModelSpec, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _package_files(spec)  # a missing package fails before we announce a conversion
     target.parent.mkdir(parents=True, exist_ok=True)
     print(f"specgraft: converting {spec.name} to safetensors in {target} (once)", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.tmp") as tmp:

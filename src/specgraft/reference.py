@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Iterator
 
 import torch
 
 from .core.sampling import SamplingParams
 from .core.stats import Stats
 from .errors import SpecgraftError
+from .lossy.rules import parse_rule
 from .models import load
+from .outputs import Generation, Stream
+from .registry import DEFAULTS, check_lossy
 
 _ASSISTANTS: dict[tuple, torch.nn.Module] = {}
 
@@ -142,3 +146,33 @@ def llama_pld(engine, ids: list[int], sampling: SamplingParams, max_new_tokens: 
     stats.steps = steps
     stats.committed = [len(new) // steps + (i < len(new) % steps) for i in range(steps)] if new else []
     return new, stats
+
+
+def reference_stream(engine, method, prompt, sampling, max_new_tokens, stop, chat, verify, options) -> Stream:
+    """A library's own speculative loop (transformers' assisted generation, llama-cpp-python's prompt lookup) as
+    an engine stream: an outside reference, not a drafter of the engine's loop."""
+    rule = parse_rule(verify)
+    if rule.lossy:
+        check_lossy(rule, method, options, sampling)
+    if stop:
+        raise SpecgraftError(f"{method} does not support stop strings")
+    engine.drafter(method, **options)  # checks the options and the backend
+    opts = {**DEFAULTS[method], **options}
+    ids = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else \
+        engine.encode(prompt, chat)
+    config = engine._config(method, options, 0, sampling, max_new_tokens, chat, stop, rule, None)
+    stream = Stream(iter(()))
+
+    def pieces() -> Iterator[str]:
+        if method == "hf_assisted":
+            out, stats = hf_assisted(engine, ids, sampling, max_new_tokens, opts["model"])
+        else:
+            out, stats = llama_pld(engine, ids, sampling, max_new_tokens, opts["max_ngram_size"],
+                                   opts["num_pred_tokens"])
+        text = engine.tokenizer.decode(out, skip_special_tokens=True)
+        yield text
+        stream.result = Generation(text, out, ids, stats, {**config, "drafter": {"method": method}},
+                                   "eos" if out and out[-1] in engine.eos_ids else "length")
+
+    stream._pieces = pieces()
+    return stream

@@ -35,8 +35,6 @@ def _shorten(body):
             v = body.get(key)
             if isinstance(v, int) and not isinstance(v, bool) and MAX_FUZZ_TOKENS < v < 100_000:
                 body[key] = 1 + v % MAX_FUZZ_TOKENS
-        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-            body["max_tokens"] = MAX_FUZZ_TOKENS
     return body
 
 
@@ -62,7 +60,7 @@ def plausible(chat: bool):
     base = {"messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
                                                         "content": text}), min_size=1, max_size=3)} if chat else \
         {"prompt": text | st.lists(st.integers(-1, 60_000), max_size=8)}
-    return st.fixed_dictionaries(base, optional=fields)
+    return st.fixed_dictionaries(base, optional=fields).map(_shorten)
 
 
 def requests_strategy(openapi: dict):
@@ -176,7 +174,7 @@ def main() -> None:
     args = ap.parse_args()
     engine = Engine("smollm2-135m", "float32")
     solo = {p: engine.generate(p, "ar", max_new_tokens=args.good_tokens).text for p in PROMPTS[:4]}
-    server = Server.start(engine, method=args.method, max_num_seqs=8, max_queue=128)
+    server = Server.start(engine, method=args.method, max_num_seqs=8, max_queue=128, max_tokens=MAX_FUZZ_TOKENS)
     with Live(server) as url:
         tally = fuzz(url, create_app(server).openapi(), args.requests, solo, args.good_tokens,
                      progress=lambda k, s: print(f"{k} requests: {s}", flush=True))

@@ -10,7 +10,7 @@ pytest.importorskip("hypothesis_jsonschema")
 from specgraft.serve.app import Server, create_app  # noqa: E402
 
 from ..test_smollm2 import PROMPTS  # noqa: E402
-from .fuzz import fuzz  # noqa: E402
+from .fuzz import MAX_FUZZ_TOKENS, fuzz  # noqa: E402
 from .live import Live  # noqa: E402
 
 N_FUZZ = 100
@@ -21,7 +21,7 @@ GOOD_TOKENS = 12
 def test_generated_requests_never_break_the_server(smollm2_engine):
     engine = smollm2_engine
     solo = {p: engine.generate(p, "ar", max_new_tokens=GOOD_TOKENS).text for p in PROMPTS[:4]}
-    server = Server.start(engine, method="graft", max_num_seqs=8, max_queue=128)
+    server = Server.start(engine, method="graft", max_num_seqs=8, max_queue=128, max_tokens=MAX_FUZZ_TOKENS)
     with Live(server) as url:
         tally = fuzz(url, create_app(server).openapi(), N_FUZZ, solo, GOOD_TOKENS)
         assert server.runner.wait_for(lambda: not engine.active and not server.runner.running, 120)
