@@ -24,3 +24,12 @@ def test_temperature_topk_topp():
 def test_invalid_params(kwargs):
     with pytest.raises(SpecgraftError):
         SamplingParams(**kwargs)
+
+
+def test_a_vanishing_top_p_keeps_the_top_token():
+    """top_p = 5e-324 (the server's fuzzer sent it) rounds to 0 against float32 sums: every token used to be
+    dropped, the probabilities were NaN and sampling raised. The top token always stays."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5]])
+    for top_p in (5e-324, 1e-50, 1e-9):
+        p = target_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+        assert torch.equal(p, torch.tensor([[0.0, 1.0, 0.0, 0.0]])), (top_p, p)

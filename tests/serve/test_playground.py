@@ -30,12 +30,16 @@ def test_playground_is_self_contained():
     assert "@import" not in html
 
 
+SERVERS: dict = {}
+
+
 @pytest.fixture(scope="module")
 def live(smollm2_engine):
     from .live import Live
 
     server = Server.start(smollm2_engine, method="graft", max_num_seqs=4)
     with Live(server) as url:
+        SERVERS["live"] = server  # the API-key test turns a key on and off on it
         yield url
 
 
@@ -166,3 +170,27 @@ def test_playground_compare_with_ar(browser, live):
     badge = browser.find_element("id", "lossy-ar")
     assert badge.is_displayed() and badge.text == "LOSSY"
     assert badge.value_of_css_property("background-color") == "rgba(207, 34, 46, 1)"
+
+
+@pytest.mark.slow
+def test_playground_sends_the_api_key(browser, live):
+    """With ``--api-key`` the page says it needs the key; once entered (kept in the browser), it lists the
+    methods and streams as before."""
+    from selenium.webdriver.common.by import By
+
+    server = SERVERS["live"]
+    server.api_key = "pg-key"
+    try:
+        browser.execute_script("localStorage.removeItem('specgraft-api-key')")
+        browser.get(live + "/")
+        wait_for(lambda: "API key" in text_of(browser, "error"), 20, "the page asking for the API key")
+        assert not browser.find_elements(By.CSS_SELECTOR, "#method option")
+        browser.find_element(By.ID, "api-key").send_keys("pg-key")
+        browser.execute_script("localStorage.setItem('specgraft-api-key', 'pg-key')")
+        open_page(browser, live)  # reloads: the key comes back from localStorage, /v1/models answers
+        assert browser.find_element(By.ID, "api-key").get_attribute("value") == "pg-key"
+        wait_for(lambda: done(browser, "main"), 60, "#status-main = done with the key")
+        assert text_of(browser, "out-main")
+    finally:
+        server.api_key = None
+        browser.execute_script("localStorage.removeItem('specgraft-api-key')")

@@ -77,6 +77,9 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         cum = sorted_x.softmax(-1).cumsum(-1)
         # Drop a token when the mass before it already reaches top_p (the top token always stays).
         drop_sorted = (cum - sorted_x.softmax(-1)) >= params.top_p
+        # ...explicitly: a top_p below float32's smallest value (5e-324, found by the server's fuzzer) rounds to 0
+        # in the comparison and would drop every token, leaving NaN probabilities
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     if params.min_p > 0:

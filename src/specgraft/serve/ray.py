@@ -86,8 +86,13 @@ if serve is not None:
         def __init__(self, config: dict):
             from .launch import build_server
 
+            from .exporter import ReplicaExporter
+
             self.server = build_server(**config)
             set_server(self.server)
+            # this replica's own registry on its own port, announced for Prometheus (exporter.py): scrapes
+            # through the proxy answer from one replica per request
+            self.exporter = ReplicaExporter(self.server.metrics.registry, self.server.replica)
             import torch
 
             print(f"specgraft replica {self.server.replica}: {self.server.name} ({self.server.method}), "
@@ -102,6 +107,9 @@ if serve is not None:
             server = getattr(self, "server", None)
             if server is not None:
                 server.runner.stop()
+            exporter = getattr(self, "exporter", None)
+            if exporter is not None:
+                exporter.close()
 else:
     app = SpecgraftDeployment = None
 

@@ -103,6 +103,7 @@ class Runner:
         self.error: str | None = None  # set when the loop itself died: /health answers 503
         self.trim, self.finished = _malloc_trim(), 0
         self.turns = 0  # loop turns so far; :meth:`wait_for` wakes on each, and on every admission and submit
+        self._admitting: list[Ticket] = []
         self.deferred = 0  # admissions put off because the request did not fit beside the running ones
         self._turn = threading.Condition()
         self.thread = threading.Thread(target=self._loop, name="specgraft-engine", daemon=True)
@@ -134,11 +135,11 @@ class Runner:
 
     # -- called from handlers (any thread) ----------------------------------------------------------------
     def submit(self, ticket: Ticket) -> None:
-        if not self.alive:
-            raise EngineDead(self.error or "the engine loop is not running")
         if self.timeout_s:
             ticket.deadline = ticket.arrival + self.timeout_s
-        with self.cond:
+        with self.cond:  # the loop sets ``error`` under this lock: no ticket slips in after it died
+            if not self.alive:
+                raise EngineDead(self.error or "the engine loop is not running")
             free = max(0, self.max_num_seqs - len(self.running))  # joins at the next turn without queueing
             if len(self.waiting) >= self.max_queue + free:
                 raise QueueFull
@@ -169,7 +170,7 @@ class Runner:
                     if self.stopped:
                         return
                     self._expire_waiting()
-                    admit = []
+                    admit = self._admitting = []  # popped, not yet running: told too if the loop dies
                     while self.waiting and len(self.running) + len(admit) < self.max_num_seqs:
                         admit.append(self.waiting.popleft())
                 self._abort_running()
@@ -187,10 +188,11 @@ class Runner:
                 m.waiting.labels(m.model_name).set(len(self.waiting))
                 self._turned()
         except BaseException as err:  # noqa: BLE001 -- the loop must not die silently
-            self.error = f"{type(err).__name__}: {err}"
             log.exception("engine loop died")
             with self.cond:
-                for t in [*self.running.values(), *self.waiting]:
+                self.error = f"{type(err).__name__}: {err}"
+                told = {id(t) for t in self.running.values()}
+                for t in [*self.running.values(), *(t for t in self._admitting if id(t) not in told), *self.waiting]:
                     t.put(("error", 500, "the engine stopped; see the server log", "server_error"))
                 self.waiting.clear()
             self._turned()
