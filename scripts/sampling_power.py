@@ -188,20 +188,20 @@ def loop_setups() -> list:
 
     from specgraft.core.sampling import SamplingParams
     from tests.conftest import tiny_llama
-    from tests.test_decode import exact_ar_joint
+    from tests.engine.test_engine import exact_ar_joint
 
     prompt, vocab = [1, 2, 3, 1, 2], 6
     params = SamplingParams(temperature=0.9, top_k=5)
     two = exact_ar_joint(tiny_llama(vocab=vocab, scale=3.0, seed=3), prompt, params, vocab)
     four = exact_ar_joint(tiny_llama(vocab=vocab, layers=4, scale=3.0, seed=3), prompt, params, vocab)
-    rows = [("test_engine::test_sampling_through_the_loop_matches_ar_enumeration[correct]", "2 x 5,000",
+    rows = [("engine/test_engine::test_sampling_through_the_loop_matches_ar_enumeration[correct]", "2 x 5,000",
              [(two, two, 5000)] * 2),
-            ("test_draft_model::test_chain_sampling_through_the_loop_matches_ar[correct]", "5,000",
+            ("drafters/test_draft_model::test_chain_sampling_through_the_loop_matches_ar[correct]", "5,000",
              [(two, two, 5000)]),
             ("graft/test_drafter::test_graft_tree_sampling_through_the_loop_matches_ar[correct]", "5,000",
              [(four, four, 5000)]),
             ("graft/test_drafter::test_tail_chain_sampling_matches_ar[correct]", "5,000", [(two, two, 5000)]),
-            ("test_head::test_eagle_sampling_through_the_loop_matches_ar[correct]", "5,000",
+            ("eagle/test_head::test_eagle_sampling_through_the_loop_matches_ar[correct]", "5,000",
              [(four, four, 5000)])]
     sharp = tiny_llama(vocab=vocab, scale=8.0, seed=3)
     trunc = []

@@ -139,9 +139,9 @@ def check_loop(monkeypatch, broken: bool, sample, expected: dict, n: int, label:
     verifier is replaced by :func:`broken_verify_tree`, and the same check must fail."""
     if not broken:
         return assert_matches(sample(n), expected, n, label)
-    import specgraft.engine
+    import specgraft.request
 
-    monkeypatch.setattr(specgraft.engine, "verify_tree", broken_verify_tree)
+    monkeypatch.setattr(specgraft.request, "verify_tree", broken_verify_tree)
     res = pooled_chisquare(sample(n), expected, n)  # the check itself must fail, not some other assertion
     assert not res.passed(), f"{label}: the broken verifier passed (p={res.pvalue:.2e}): the test has no power"
     return res

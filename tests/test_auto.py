@@ -7,7 +7,8 @@ import pytest
 
 from specgraft import auto
 from specgraft.auto import AutoChoice, below, choose_method, gate_pass_share, resolve
-from specgraft.graft.autotune import WIDTHS
+from specgraft.core.backend import Capabilities, torch_runtime
+from specgraft.costs import WIDTHS
 from specgraft.graft.calibration import Calibration
 
 
@@ -39,7 +40,8 @@ def fake(monkeypatch, tmp_path):
 
 
 def engine(name="smollm2-135m", dtype="bfloat16"):
-    return SimpleNamespace(model_name=name, dtype=dtype)
+    return SimpleNamespace(model_name=name, dtype=dtype,
+                           capabilities=Capabilities("transformers", dtype, torch_runtime(), hidden_states=True))
 
 
 @pytest.mark.parametrize("shape, expect", [(steep, "ar"), (flat, "graft")])

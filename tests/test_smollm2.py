@@ -194,7 +194,7 @@ def test_hf_assisted_passes_truncation_sampling(monkeypatch):
             return torch.cat([ids, torch.tensor([[5, 6, 7, 8, 9, 10, 11]])], 1)
 
     engine = types.SimpleNamespace(backend=types.SimpleNamespace(model=FakeTarget()), dtype="float32",
-                                   vocab_size=16, eos_ids={15})
+                                   device="cpu", vocab_size=16, eos_ids={15})
     monkeypatch.setattr(reference, "assistant", lambda *a: object())
     new, st = reference.hf_assisted(engine, [1, 2], SamplingParams(0.7, min_p=0.2, eta=0.01, seed=1), 16, "x")
     assert seen["min_p"] == 0.2 and seen["eta_cutoff"] == 0.01 and seen["do_sample"]

@@ -2,8 +2,8 @@
 
     tokens/s(method, K) = MAT(K) / (draft_s + verify_s(K + 1))        AR: 1 / verify_s(1)
 
-- ``verify_s``: the target's measured, cached verify-latency curve (graft/autotune.py's ``latency_curve``).
-- ``MAT(K)``: replayed from the shipped calibration's accepted score ranks (autotune's ``choose_budget``).
+- ``verify_s``: the target's measured, cached verify-latency curve (``costs.latency_curve``).
+- ``MAT(K)``: replayed from the shipped calibration's accepted score ranks (``choose_budget``).
 - ``draft_s``: the calibration's mean drafting time per step; for Graft scaled by the share of drafting passes
   its calibrated gate lets run (the gate stops the drafter early on most steps).
 
@@ -18,11 +18,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .costs import curve_path, engine_key, interpolate, latency_curve, machine_key  # noqa: F401 -- machine_key re-exported
 from .errors import SpecgraftError
-from .graft.autotune import choose_budget, engine_key, interpolate, latency_curve, machine_key
-from .graft.calibration import Calibration
+from .graft.calibration import Calibration, below, expected_mat, gate_pass_share  # noqa: F401 -- below re-exported
 from .models import REGISTRY, cache_root, package_file
-from .registry import DEFAULTS, calibration_dir, shipped_head
+from .registry import DEFAULTS, calibration_dir, find_calibration, shipped_head
 
 MARGIN = 1.05  # a speculative method must be predicted this much faster than AR
 VERSION = 1  # bump when the prediction changes: cached choices of older versions are recomputed
@@ -52,10 +52,10 @@ class Candidate:
     drafter: str  # the calibration's drafter: eagle or draft-tree
 
 
-def candidates(model_name: str, backend: str = "transformers") -> list[tuple[Candidate, Path]]:
+def candidates(model_name: str, hidden_states: bool = True) -> list[tuple[Candidate, Path]]:
     """The tree methods that can run on this model and backend and have a calibration to predict them from
-    (EAGLE heads need hidden states, which the llama.cpp backend does not expose)."""
-    head = shipped_head(model_name) is not None and backend == "transformers"
+    (EAGLE heads need a backend that declares hidden states)."""
+    head = shipped_head(model_name) is not None and hidden_states
     out = [(Candidate("graft", {}, "eagle"), head), (Candidate("eagle", {}, "eagle"), head),
            (Candidate("graft", {"drafter": "draft-tree"}, "draft-tree"), None)]
     found = []
@@ -83,37 +83,6 @@ def _installed(model: str) -> bool:
         return False
 
 
-def below(fit: dict, tau: float) -> float:
-    """Share of calibration steps whose checkpoint confidence fell below ``tau``, read from the fit's equal-mass
-    bins (linear inside a bin; the last bin ends at 1). No fit: 0 (assume the gate never fires)."""
-    edges = fit.get("bin_lower_edges") or []
-    share = 0.0
-    for i, lo in enumerate(edges):
-        hi = edges[i + 1] if i + 1 < len(edges) else 1.0
-        if tau >= hi:
-            share += 1
-        elif tau > lo:
-            share += (tau - lo) / (hi - lo)
-    return share / len(edges) if edges else 0.0
-
-
-def gate_pass_share(cal: Calibration, depth: int) -> float:
-    """Expected drafting passes under the calibrated gate / passes of the full draft (1 + depth).
-
-    Confidences fall with depth, so "stopped by checkpoint i" is taken as nested: its probability is the
-    largest ``below`` over checkpoints up to i."""
-    fits = cal.meta.get("fits", {})
-    stopped, passes = 0.0, 0.0
-    for level, tau in zip(cal.checkpoints, cal.thresholds):
-        if level >= depth:
-            break
-        now = max(stopped, below(fits.get(str(level), {}), tau))
-        passes += (now - stopped) * (level + 1)
-        stopped = now
-    passes += (1 - stopped) * (depth + 1)
-    return passes / (depth + 1)
-
-
 def draft_share(method: str, drafter: str, cal: Calibration) -> float:
     """The share of the calibrated drafting time a method pays per step: Graft's gate stops the drafter early on
     most steps; EAGLE and the pruning baselines draft in full. (The server's budget policy uses it too.)"""
@@ -122,12 +91,47 @@ def draft_share(method: str, drafter: str, cal: Calibration) -> float:
     return gate_pass_share(cal, DEFAULTS["eagle" if drafter == "eagle" else "draft"]["depth"])
 
 
+def choose_budget(curve: dict[int, float], accepted_ranks: list[list[int]], draft_s: float,
+                  max_budget: int) -> tuple[int, list[dict]]:
+    """The budget in ``1..max_budget`` with the highest expected tokens/s, and the whole table.
+
+        tokens/s(K) = MAT(K) / (draft_s + verify_s(K + 1))
+
+    ``MAT(K)`` is replayed exactly from calibration: a dense dynamic tree at budget ``K`` is the top-``K``
+    candidates by score, and along the accepted path scores fall, so under greedy verification the path
+    accepted at budget ``K`` is the accepted nodes whose score rank is below ``K`` (docs/design.md §5.8)."""
+    if not accepted_ranks:
+        raise SpecgraftError("--budget auto needs acceptance data: run `specgraft calibrate` first")
+    table = []
+    for k in range(1, max_budget + 1):
+        mat = expected_mat(accepted_ranks, k)
+        step = draft_s + interpolate(curve, k + 1)
+        table.append({"budget": k, "mat": round(mat, 4), "step_s": round(step, 4), "tokens_per_s": mat / step})
+    best = max(table, key=lambda r: r["tokens_per_s"])
+    return best["budget"], table
+
+
+def auto_budget(engine, method: str, options: dict) -> tuple[int, dict]:
+    """``--budget auto`` for eagle / graft / prune: the best budget from this machine's curve and the
+    calibration of their drafter."""
+    if method not in ("eagle", "graft", "prune"):
+        raise SpecgraftError(f"--budget auto needs a tree method with a calibration (eagle, graft, prune), not "
+                             f"'{method}'")
+    opts = {**DEFAULTS[method], **options}
+    opts.setdefault("drafter", "eagle")
+    if opts["drafter"] == "draft-chain":
+        raise SpecgraftError("--budget auto covers tree drafters; chains use tau_tail")
+    cal, where = find_calibration(opts, engine.model_name, required=True)
+    best, table = choose_budget(latency_curve(engine), cal.accepted_ranks, cal.draft_s, cal.max_budget)
+    return best, {"chosen": best, "calibration": where, "max_budget": cal.max_budget,
+                  "predicted": next(r for r in table if r["budget"] == best)}
+
+
 def predict(c: Candidate, cal: Calibration, curve: dict[int, float]) -> dict:
     """The candidate's best budget and its predicted MAT, step time and tokens/s."""
-    draft_s = float(cal.meta.get("draft_s_per_step", 0.0))
+    draft_s = cal.draft_s
     share = draft_share(c.method, c.drafter, cal)
-    max_budget = int(cal.meta.get("budget", 60))
-    budget, table = choose_budget(curve, cal.accepted_ranks, draft_s * share, max_budget)
+    budget, table = choose_budget(curve, cal.accepted_ranks, draft_s * share, cal.max_budget)
     row = next(r for r in table if r["budget"] == budget)
     return {"method": c.method, "options": dict(c.options), "budget": budget, "mat": row["mat"],
             "draft_s": round(draft_s * share, 5), "verify_s": round(row["step_s"] - draft_s * share, 5),
@@ -169,14 +173,14 @@ def _cache_path(engine) -> Path:
 def _fingerprint(engine, paths: list[Path]) -> dict:
     """What a cached choice depends on: the curve file and the calibrations (size, mtime)."""
     stamp = lambda p: [p.stat().st_size, p.stat().st_mtime_ns] if p.exists() else None  # noqa: E731
-    curve = cache_root() / "latency" / f"{engine_key(engine)}.json"
+    curve = curve_path(engine)
     return {"version": VERSION, "curve": stamp(curve), "calibrations": {str(p): stamp(p / "calibration.json")
                                                                          for p in paths}}
 
 
 def choose_method(engine) -> AutoChoice:
     """The method (and budget, options) ``--method auto`` runs on ``engine``; cached per model and dtype."""
-    found = candidates(engine.model_name, getattr(engine, "backend_name", "transformers"))
+    found = candidates(engine.model_name, engine.capabilities.hidden_states)
     if not found:  # nothing to predict from: no measurement needed
         return decide(engine.model_name, {1: 1.0}, [])
     path = _cache_path(engine)
@@ -207,4 +211,4 @@ def resolve(engine, method: str) -> tuple[str, int | None, dict, AutoChoice | No
     return choice.method, choice.budget, dict(choice.options), choice
 
 
-__all__ = ["AutoChoice", "MARGIN", "choose_method", "decide", "resolve"]
+__all__ = ["AutoChoice", "MARGIN", "auto_budget", "choose_budget", "choose_method", "decide", "resolve"]

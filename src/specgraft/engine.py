@@ -15,80 +15,30 @@ from __future__ import annotations
 import collections
 import itertools
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 
-from .core.backend import Backend, TargetBackend
+from .auto import auto_budget
+from .backends import open_backend, transformers_drafts
+from .core.backend import Backend, Capabilities, TargetBackend
 from .core.drafter import DraftContext, Drafter, last_occurrences
-from .core.sampling import SamplingParams, make_generator, target_probs
+from .core.sampling import SamplingParams, make_generator
 from .core.stats import Stats
 from .core.tree import Tree
-from .core.verify import Verdict, verify_tree
 from .errors import SpecgraftError
-from .graft.autotune import auto_budget
 from .lossy.rules import Rule, parse_rule
-from .lossy.verify import verify_tree_lossy
-from .models import load, resolve_device
+from .models import resolve_device
 from .outputs import _LABEL, TOKEN_SOURCES, Generation, RequestOutput, Stream  # noqa: F401 -- re-exported
 from .reference import assistant, reference_stream
 from .registry import DEFAULTS, REFERENCES, check_lossy, check_options, make_drafter
+from .request import (NoCapacity, Request, check_length, check_reservation, cut_at_eos,  # noqa: F401 -- re-exported
+                      first_token, fits, held, verify_fn)
 from .text import TextState, chat_ids
 
 clock = time.perf_counter
 MAX_DRAFTERS = 16  # cached drafter prototypes (one per method and option set): a bound, not a working-set guess
 BACKLOG = 4096  # other requests' outputs kept while one stream drives the engine (oldest dropped beyond it)
-
-
-class NoCapacity(SpecgraftError):
-    """The request fits the model but not beside the requests in flight (KV cells, sequence ids): nothing was
-    changed; admit it once some finish (the server keeps it queued). ``need``: what it reserves."""
-
-    def __init__(self, message: str, need: dict[str, int]):
-        super().__init__(message)
-        self.need = need
-
-
-def first_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-    """The token after the prompt, from the prefill logits (the same for every method)."""
-    if params.greedy:
-        return int(logits.argmax())
-    return int(torch.multinomial(target_probs(logits, params), 1, generator=gen))
-
-
-def cut_at_eos(tokens: list[int], eos_ids: set[int], room: int) -> list[int]:
-    """Tokens up to and including the first EOS, at most ``room`` of them."""
-    end = next((i + 1 for i, t in enumerate(tokens) if t in eos_ids), len(tokens))
-    return tokens[: min(end, room)]
-
-
-VerifyFn = Callable[[Tree, torch.Tensor, SamplingParams, torch.Generator], Verdict]
-
-
-@dataclass
-class Request:
-    id: int
-    prompt_ids: list[int]
-    drafter: Drafter
-    params: SamplingParams
-    max_new_tokens: int
-    budget: int
-    verify: VerifyFn
-    stats: Stats
-    config: dict
-    text: TextState | None  # None: token-level request (no detokenisation, no stop strings)
-    on_verify: Callable[[Tree, torch.Tensor], None] | None = None
-    reserve: dict[str, int] = field(default_factory=dict)  # backend resources held while it runs
-    gen: torch.Generator | None = None
-    ids: list[int] = field(default_factory=list)  # prompt + output: ids[-1] is the next tree's root
-    output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    t0: float = 0.0
-
-    @property
-    def room(self) -> int:
-        return self.max_new_tokens - len(self.output)
 
 
 class Engine:
@@ -101,36 +51,30 @@ class Engine:
         ``device`` (transformers): cpu, cuda or auto; the target and a draft model run there, the drafters'
         bookkeeping, EAGLE heads and verification on the CPU."""
         device = resolve_device(device)  # a bad device fails before any model loads
-        if backend == "llamacpp":
-            if device != "cpu":
-                raise SpecgraftError("--backend llamacpp runs on the CPU here (built without CUDA); use --device cpu")
-            from transformers import AutoTokenizer
-
-            from .backends import llamacpp_backend
-
-            be, tok_dir = llamacpp_backend(model, cache_dir)
-            tok = AutoTokenizer.from_pretrained(tok_dir)
-            self._setup(be, tok, model, "gguf", be.model.eos_ids)
-        elif backend == "transformers":
-            hf_model, tok = load(model, dtype, cache_dir, device)
-            self._setup(TargetBackend(hf_model), tok, model, dtype, _eos(hf_model))
-        else:
-            raise SpecgraftError(f"unknown backend '{backend}'; choose transformers or llamacpp")
+        self._setup(*open_backend(backend, model, dtype, cache_dir, device), model)
 
     @classmethod
     def from_model(cls, hf_model, tokenizer, name: str = "custom") -> "Engine":
+        """An engine on an already loaded HF model (draft models by name load at its dtype and device)."""
         self = cls.__new__(cls)
-        self._setup(TargetBackend(hf_model), tokenizer, name, str(next(hf_model.parameters()).dtype).replace("torch.", ""),
-                    _eos(hf_model))
+        params = next(hf_model.parameters())
+        dtype = str(params.dtype).replace("torch.", "")
+        self._setup(TargetBackend(hf_model, transformers_drafts(dtype, None, str(params.device))), tokenizer, name)
         return self
 
-    def _setup(self, backend: Backend, tok, name: str, dtype: str, eos: set[int]) -> None:
+    @classmethod
+    def from_backend(cls, backend: Backend, tokenizer, name: str = "custom") -> "Engine":
+        """An engine on any backend that keeps the ``Backend`` protocol."""
+        self = cls.__new__(cls)
+        self._setup(backend, tokenizer, name)
+        return self
+
+    def _setup(self, backend: Backend, tok, name: str) -> None:
         self.backend = backend
-        self.backend_name = backend.name
-        self.device = str(getattr(backend, "device", "cpu"))
-        self.tokenizer, self.model_name, self.dtype = tok, name, dtype
+        self.tokenizer, self.model_name = tok, name
         self.vocab_size = backend.vocab_size
-        self.eos_ids = {*eos, *([tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else [])}
+        tok_eos = getattr(tok, "eos_token_id", None)
+        self.eos_ids = {*backend.eos_ids, *([tok_eos] if tok_eos is not None else [])}
         # drafter prototypes by (method, options), least recently used first; and builds that failed (a
         # draft model that cannot load is not retried on every request)
         self._drafters: collections.OrderedDict[tuple, Drafter] = collections.OrderedDict()
@@ -144,6 +88,24 @@ class Engine:
         self.totals = Stats("engine")  # engine-wide: steps, target forward, drafting, step wall time
         # The scheduler's say (serve/policy.py): (request, batch size) -> this step's budget, at most the request's.
         self.budget_policy: Callable[[Request, int], int] | None = None
+
+    # -- what the backend declares --------------------------------------------------------------------------
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.backend.capabilities
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.capabilities.name
+
+    @property
+    def device(self) -> str:
+        return self.backend.capabilities.device
+
+    @property
+    def dtype(self) -> str:
+        """The target's weights format: "float32", "bfloat16", or "gguf" (llama.cpp runs the GGUF's own)."""
+        return self.backend.capabilities.weights
 
     # -- set-up -------------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
@@ -159,9 +121,9 @@ class Engine:
         options.pop("budget", None)
         if method in REFERENCES:  # not a drafter: check now, run the library's own loop later
             check_options(method, options)
-            need = "transformers" if method == "hf_assisted" else "llamacpp"
-            if self.backend_name != need:
-                raise SpecgraftError(f"{method} is an outside reference that runs on --backend {need} only")
+            if method not in self.capabilities.references:
+                raise SpecgraftError(f"{method} is an outside reference that runs on --backend "
+                                     f"{REFERENCES[method]} only")
             if method == "hf_assisted":  # load (and check) the assistant now
                 assistant(options.get("model", DEFAULTS[method]["model"]), self.dtype, self.vocab_size, self.device)
             return None
@@ -170,8 +132,8 @@ class Engine:
             raise self._drafter_errors[key]
         if key not in self._drafters:
             try:
-                built = make_drafter(method, self.vocab_size, self.dtype, target=self.backend.model,
-                                     target_name=self.model_name, device=self.device, **options)
+                built = make_drafter(method, self.vocab_size, self.dtype, target_name=self.model_name,
+                                     device=self.device, backend=self.backend, **options)
             except Exception as err:
                 if len(self._drafter_errors) < MAX_DRAFTERS:
                     self._drafter_errors[key] = err
@@ -183,7 +145,7 @@ class Engine:
         return self._drafters[key]
 
     def auto_budget(self, method: str, options: dict) -> tuple[int, dict]:
-        """``budget="auto"``: resolved once per method and options (graft/autotune.py), then cached."""
+        """``budget="auto"``: resolved once per method and options (``auto.auto_budget``), then cached."""
         key = ("auto", method, tuple(sorted((k, str(v)) for k, v in options.items())))
         if key not in self._auto:
             self._auto[key] = auto_budget(self, method, options)
@@ -213,23 +175,13 @@ class Engine:
             raise SpecgraftError(f"budget must be an integer >= 0 or 'auto', got {budget!r}")
         is_ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
         ids = list(prompt) if is_ids else self.encode(prompt, chat)
-        if not ids:
-            raise SpecgraftError("empty prompt")
-        need = len(ids) + max_new_tokens + budget + 1
-        if need > self.backend.max_positions:
-            raise SpecgraftError(f"prompt too long: {len(ids)} tokens + {max_new_tokens} new (+ {budget + 1} tree "
-                                 f"slots) exceeds the model's {self.backend.max_positions} positions")
+        check_length(ids, max_new_tokens, budget, self.backend.max_positions)
         reserve = self.backend.reservation(len(ids), max_new_tokens, budget)
-        over = {k: (v, cap) for k, v in reserve.items() if v > (cap := self.backend.capacity().get(k, v))}
-        if over:
-            raise SpecgraftError("this request can never fit the backend: " + ", ".join(
-                f"{k} {v} > {cap}" for k, (v, cap) in over.items()) + " (a smaller budget or max_new_tokens)")
+        check_reservation(reserve, self.backend.capacity())
         config = self._config(method, options, budget, sampling, max_new_tokens, chat, stop, rule, auto)
-        verify_fn = verify_tree if not rule.lossy else \
-            (lambda tree, logits, params, gen: verify_tree_lossy(tree, logits, params, gen, rule))
-        text = TextState(self.tokenizer, tuple(stop)) if self.tokenizer is not None else None
-        return Request(next(self._ids), ids, drafter, sampling, max_new_tokens, budget, verify_fn,
-                       Stats(method=drafter.name, verify=rule.spec), config, text, reserve=reserve)
+        detok = TextState(self.tokenizer, tuple(stop)) if self.tokenizer is not None else None
+        return Request(next(self._ids), ids, drafter, sampling, max_new_tokens, budget, verify_fn(rule),
+                       Stats(method=drafter.name, verify=rule.spec), config, detok, reserve=reserve)
 
     def _config(self, method, options, budget, sampling, max_new_tokens, chat, stop, rule, auto) -> dict:
         # A drafter's own ``model`` option (the draft model) is recorded as ``draft_model``: ``model`` is the target.
@@ -259,23 +211,18 @@ class Engine:
 
     def reserved(self) -> dict[str, int]:
         """Backend resources held by the requests in flight (each holds its worst case from admission on)."""
-        out: dict[str, int] = {}
-        for r in self.active:
-            for k, v in r.reserve.items():
-                out[k] = out.get(k, 0) + v
-        return out
+        return held(self.active)
 
     def fits(self, reserve: dict[str, int]) -> bool:
         """Whether a request needing ``reserve`` fits beside those in flight (Backend.capacity)."""
-        cap, held = self.backend.capacity(), self.reserved()
-        return all(held.get(k, 0) + v <= cap.get(k, held.get(k, 0) + v) for k, v in reserve.items())
+        return fits(reserve, self.reserved(), self.backend.capacity())
 
     def _admit(self, req: Request) -> None:
         """Prefill and join, all or nothing: on any error the row is gone and only this request fails."""
         if not self.fits(req.reserve):
             raise NoCapacity(f"request {req.id} needs {req.reserve}; in flight hold {self.reserved()} of "
                              f"{self.backend.capacity()}", req.reserve)
-        req.t0 = t0 = clock()
+        req.admitted_at = clock()
         d = req.drafter
         rows = torch.tensor(last_occurrences(req.prompt_ids)) if d.needs_prefill_logits else False
         pre = self.backend.add(torch.tensor(req.prompt_ids, dtype=torch.long), rows, d.hidden_layers)
@@ -285,7 +232,7 @@ class Engine:
             d.start(req.prompt_ids, pre.logits if d.needs_prefill_logits else None, pre.hidden)
             req.gen = make_generator(req.params.seed)
             tok = first_token(pre.logits[-1], req.params, req.gen)
-            req.stats.prefill_s += clock() - t0
+            req.stats.prefill_s += clock() - req.admitted_at
             req.ids = [*req.prompt_ids]
             self._emit(req, [tok], ["prefill"], first)
         except Exception:  # nothing of it may stay behind for the other requests
@@ -316,33 +263,21 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Outputs since the last call (prefills, aborts), then one verification step for every active
-        request. Finished requests leave the batch."""
+        request: propose every tree, ONE batched forward, verify each, one commit, observe. Finished requests
+        leave the batch."""
         outs = self.pending()
         if not self.active:
             return outs
-        t0 = clock()
-        trees, draft_s = [], 0.0
-        fwd0 = {r.id: r.drafter.forward_s for r in self.active}  # draft forwards this step, per request
-        draft_fwd = 0.0
-        batch = len(self.active)
-        for r in list(self.active):
-            t = clock()
-            budget = r.budget if self.budget_policy is None else min(r.budget, self.budget_policy(r, batch))
-            try:
-                tree = r.drafter.propose(DraftContext(r.ids, budget, r.params))
-            except Exception as err:  # noqa: BLE001 -- one request's drafter failing ends that request only
-                draft_fwd += r.drafter.forward_s - fwd0[r.id]
-                self._fail(r, err, outs)
-                continue
-            trees.append(tree)
-            r.stats.draft_s += clock() - t
-            draft_s += clock() - t
+        step_start = clock()
+        stepped = list(self.active)  # a request failing in this step still counts its draft forwards
+        draft_forward_before = [r.drafter.forward_s for r in stepped]
+        trees, draft_s = self._propose(outs)
         if not self.active:
             return outs
-        t1 = clock()
+        forward_start = clock()
         layers = tuple(sorted({h for r in self.active for h in r.drafter.hidden_layers}))
         results = self.backend.verify_batch(trees, layers)
-        forward = clock() - t1
+        forward_s = clock() - forward_start
         verdicts = []
         for r, tree, res in zip(self.active, trees, results):
             if r.on_verify is not None:
@@ -350,31 +285,56 @@ class Engine:
             verdicts.append(r.verify(tree, res.logits, r.params, r.gen))
         self.backend.commit_batch([v.accepted for v in verdicts])
         for r, tree, res, v in zip(list(self.active), trees, results, verdicts):
-            t = clock()
-            hidden = {h: res.hidden[h] for h in r.drafter.hidden_layers} if r.drafter.hidden_layers else None
-            failed = None
-            try:
-                r.drafter.observe(tree, res.logits, v, hidden)
-            except Exception as err:  # noqa: BLE001 -- the step's tokens are still correct; the request ends
-                failed = err
-            r.stats.draft_s += clock() - t
-            draft_s += clock() - t
-            draft_fwd += r.drafter.forward_s - fwd0[r.id]
-            new = cut_at_eos(tree.tokens[v.accepted[1:]].tolist() + [v.bonus], self.eos_ids, r.room)
-            src = [_LABEL.get(x, "head") for x in tree.source[v.accepted[1:]].tolist()] + ["bonus"]
-            kids = tree.children
-            r.stats.record_step(v.accept_length, [bool(kids[n]) for n in v.accepted], len(new), tree.size - 1)
-            r.stats.verify_s += forward
-            self._emit(r, new, src[: len(new)], outs, tree.size - 1, len(v.accepted) - 1)
-            if failed is not None and r in self.active:
-                self._fail(r, failed, outs)
-        tot = self.totals
-        tot.steps += 1
-        tot.verify_s += forward
-        tot.draft_s += draft_s
-        tot.draft_forward_s += draft_fwd
-        tot.total_s += clock() - t0
+            draft_s += self._observe(r, tree, res, v, forward_s, outs)
+        totals = self.totals
+        totals.steps += 1
+        totals.verify_s += forward_s
+        totals.draft_s += draft_s
+        totals.draft_forward_s += sum(r.drafter.forward_s - before for r, before in zip(stepped, draft_forward_before))
+        totals.total_s += clock() - step_start
         return outs
+
+    def _propose(self, outs: list[RequestOutput]) -> tuple[list[Tree], float]:
+        """Every active request's tree for this step (its budget capped by the scheduler's policy); a request
+        whose drafter raises ends alone. Returns the trees in row order and the seconds spent drafting."""
+        trees, draft_s = [], 0.0
+        batch = len(self.active)
+        for r in list(self.active):
+            propose_start = clock()
+            budget = r.budget if self.budget_policy is None else min(r.budget, self.budget_policy(r, batch))
+            try:
+                tree = r.drafter.propose(DraftContext(r.ids, budget, r.params))
+            except Exception as err:  # noqa: BLE001 -- one request's drafter failing ends that request only
+                self._fail(r, err, outs)
+                continue
+            trees.append(tree)
+            spent = clock() - propose_start
+            r.stats.draft_s += spent
+            draft_s += spent
+        return trees, draft_s
+
+    def _observe(self, r: Request, tree: Tree, res, verdict, forward_s: float, outs: list[RequestOutput]) -> float:
+        """The drafter learns from the verification; the accepted tokens and the bonus are emitted. Returns the
+        seconds the drafter spent observing."""
+        observe_start = clock()
+        hidden = {h: res.hidden[h] for h in r.drafter.hidden_layers} if r.drafter.hidden_layers else None
+        failed = None
+        try:
+            r.drafter.observe(tree, res.logits, verdict, hidden)
+        except Exception as err:  # noqa: BLE001 -- the step's tokens are still correct; the request ends
+            failed = err
+        observe_s = clock() - observe_start
+        r.stats.draft_s += observe_s
+        new = cut_at_eos(tree.tokens[verdict.accepted[1:]].tolist() + [verdict.bonus], self.eos_ids, r.room)
+        sources = [_LABEL.get(x, "head") for x in tree.source[verdict.accepted[1:]].tolist()] + ["bonus"]
+        children = tree.children
+        r.stats.record_step(verdict.accept_length, [bool(children[n]) for n in verdict.accepted], len(new),
+                            tree.size - 1)
+        r.stats.verify_s += forward_s
+        self._emit(r, new, sources[: len(new)], outs, tree.size - 1, len(verdict.accepted) - 1)
+        if failed is not None and r in self.active:
+            self._fail(r, failed, outs)
+        return observe_s
 
     def _fail(self, req: Request, err: Exception, outs: list[RequestOutput]) -> None:
         req.finish_reason = "error"
@@ -393,15 +353,15 @@ class Engine:
             req.finish_reason = "eos"
         elif req.room <= 0:
             req.finish_reason = "length"
-        if req.text is not None:
-            piece, hit = req.text.update(req.output, final=req.finish_reason is not None, sources=sources)
+        if req.detok is not None:
+            piece, hit = req.detok.update(req.output, final=req.finish_reason is not None, sources=sources)
             if hit is not None:
                 drop = len(req.output) - hit  # tokens past the stop string, all from this step
                 req.output = req.output[:hit]
                 req.stats.new_tokens -= drop
                 new, sources = new[: len(new) - drop], sources[: len(new) - drop]
                 req.finish_reason = "stop"
-        segments = req.text.segments(piece) if piece else []
+        segments = req.detok.segments(piece) if piece else []
         if req.finish_reason is None:
             outs.append(RequestOutput(req.id, new, piece, sources=sources, segments=segments, draft_tokens=drafted,
                                       accepted=accepted))
@@ -414,11 +374,11 @@ class Engine:
     def _finish(self, req: Request) -> RequestOutput:
         self.backend.remove(self.active.index(req))
         self.active.remove(req)
-        req.stats.total_s = clock() - req.t0
+        req.stats.total_s = clock() - req.admitted_at
         req.stats.draft_forward_s = req.drafter.forward_s
         described = req.drafter.describe()
         req.stats.retrieval_state = described.get("retrieval_state")
-        text = req.text.text if req.text is not None else ""
+        text = req.detok.text if req.detok is not None else ""
         gen = Generation(text, req.output, req.prompt_ids, req.stats, {**req.config, "drafter": described},
                          req.finish_reason or "abort")
         return RequestOutput(req.id, [], "", True, gen)
@@ -474,11 +434,6 @@ class Engine:
         for _ in stream:
             pass
         return stream.result
-
-
-def _eos(hf_model) -> set[int]:
-    eos = hf_model.generation_config.eos_token_id
-    return {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
 
 
 _ENGINES: dict[tuple, Engine] = {}

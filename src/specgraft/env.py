@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import importlib.metadata as md
 import os
 import platform
@@ -22,6 +24,53 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# Linux x86-64 arch_prctl: which extended-state features the kernel supports, and the per-process permission a
+# process must request before its first AMX tile instruction (without it, that instruction faults).
+SYS_ARCH_PRCTL = 158
+ARCH_GET_XCOMP_SUPP, ARCH_REQ_XCOMP_PERM = 0x1022, 0x1023
+XFEATURE_XTILEDATA = 18
+
+
+@functools.cache
+def amx_state() -> str:
+    """``usable`` (the kernel supports AMX tile data and granted this process permission), ``refused`` (supported,
+    permission denied), ``absent`` (no AMX, or not Linux x86-64). Asked of the kernel, not read from
+    /proc/cpuinfo: a hypervisor may hide the flag on a CPU whose tiles work, and the permission is what a process
+    needs anyway (oneDNN requests the same)."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return "absent"
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        supported = ctypes.c_uint64(0)
+        if libc.syscall(SYS_ARCH_PRCTL, ARCH_GET_XCOMP_SUPP, ctypes.byref(supported)) != 0:
+            return "absent"  # a kernel without the extended-state interface
+        if not supported.value >> XFEATURE_XTILEDATA & 1:
+            return "absent"
+        return "usable" if libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 else "refused"
+    except (OSError, AttributeError):
+        return "absent"
+
+
+def cpu_flags() -> set[str]:
+    """The first CPU's feature flags from /proc/cpuinfo (empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def vector_isa() -> str:
+    """The widest vector extension the CPU reports: what a matmul falls back to without AMX."""
+    flags = cpu_flags()
+    for isa, flag in (("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
+        if flag in flags:
+            return isa
+    return platform.machine()
+
+
 def git(*args: str) -> str | None:
     try:
         return subprocess.run(["git", *args], capture_output=True, text=True, timeout=5,
@@ -32,7 +81,8 @@ def git(*args: str) -> str | None:
 
 def environment() -> dict:
     status = git("status", "--porcelain", "--untracked-files=no")
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+    return {"cpu": cpu_name(), "amx": amx_state(), "isa": vector_isa(), "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "specgraft": md.version("specgraft"),
             "commit": git("rev-parse", "--short", "HEAD") or None, "dirty": None if status is None else bool(status)}

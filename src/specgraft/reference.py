@@ -40,8 +40,8 @@ def assistant(name: str, dtype: str, vocab_size: int, device: str = "cpu"):
 @torch.inference_mode()
 def hf_assisted(engine, ids: list[int], sampling: SamplingParams, max_new_tokens: int, model: str):
     """Greedy or sampled ``generate`` with the assistant; returns ``(token_ids, Stats)``."""
-    target = engine.backend.model
-    device = getattr(engine, "device", "cpu")
+    target = engine.backend.model  # the HF module (the transformers backend declares hf_assisted)
+    device = engine.device
     helper = assistant(model, engine.dtype, engine.vocab_size, device)
     calls = []
     hook = target.register_forward_hook(lambda *a: calls.append(1))
@@ -90,7 +90,7 @@ def llama_pld(engine, ids: list[int], sampling: SamplingParams, max_new_tokens: 
     (what a llama-cpp-python user would run); returns ``(token_ids, Stats)``. Its KV cache is reset before each
     prompt (no prefix reuse across prompts: our engine prefills every prompt from scratch too). MAT = new tokens
     / decode calls after the prompt's."""
-    if engine.backend_name != "llamacpp":
+    if "llama_pld" not in engine.capabilities.references:
         raise SpecgraftError("llama_pld is llama-cpp-python's own prompt lookup: run it with --backend llamacpp")
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding

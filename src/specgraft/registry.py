@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .core.backend import Backend, TargetBackend
 from .core.drafter import Drafter, NoDraft
 from .core.sampling import TRUNCATION_KEYS, SamplingParams
 from .drafters.draft_model import DraftModelDrafter
@@ -46,7 +48,7 @@ DEFAULTS: dict[str, dict] = {
     # Outside reference on --backend llamacpp: llama-cpp-python's own prompt lookup (its defaults).
     "llama_pld": {"budget": 0, "max_ngram_size": 2, "num_pred_tokens": 10},
 }
-REFERENCES = ("hf_assisted", "llama_pld")  # run their library's own loop, not ours
+REFERENCES = {"hf_assisted": "transformers", "llama_pld": "llamacpp"}  # run this backend's library loop, not ours
 METHODS = tuple(DEFAULTS)
 # Per-request keys a benchmark method entry may carry besides the method's options: the verification rule,
 # the truncation-sampling settings the rule is compared against, and a label for repeated configurations.
@@ -62,14 +64,37 @@ def check_options(method: str, options, extra: tuple[str, ...] = ()) -> None:
         raise SpecgraftError(f"method '{method}' has no option(s) {sorted(unknown)}; it takes {sorted(DEFAULTS[method])}")
 
 
+@dataclass(frozen=True)
+class Target:
+    """What a drafter may bind to: the target's backend (its declared capabilities, its draft-model factory) and
+    its registry name. Without a backend (tests, tools on a bare HF model) ``model`` is the HF module EAGLE
+    heads read and draft models must be passed loaded."""
+
+    vocab_size: int
+    name: str = "custom"
+    backend: Backend | None = None
+    model: object = None
+
+    @property
+    def hidden_states(self) -> bool:
+        return self.backend.capabilities.hidden_states if self.backend is not None else self.model is not None
+
+    @property
+    def head_target(self):
+        return self.backend.model if self.backend is not None else self.model
+
+
 def make_drafter(method: str, vocab_size: int, dtype: str = "float32", target=None, target_name: str = "custom",
-                 device: str = "cpu", **options) -> Drafter:
+                 device: str = "cpu", backend: Backend | None = None, **options) -> Drafter:
     """Build a drafter; ``options`` override ``DEFAULTS[method]`` (``budget`` is the loop's, not the drafter's).
 
-    ``target`` (the HF model) and ``target_name`` are needed by drafters bound to the target (EAGLE heads).
+    ``backend`` (the engine's target backend) is what drafters bound to the target read: its capabilities
+    (hidden states for EAGLE heads), its model, its draft-model factory. Without it, ``target`` is the HF model
+    a head binds to and a draft model is loaded with transformers at ``dtype`` on ``device``.
     """
     check_options(method, options)
     opts = {**DEFAULTS[method], **options}  # "budget" belongs to the loop; drafters read it from the context
+    bound = Target(vocab_size, target_name, backend, target)
     try:
         if method == "ar":
             return NoDraft()
@@ -78,36 +103,33 @@ def make_drafter(method: str, vocab_size: int, dtype: str = "float32", target=No
         if method == "pld":
             return PromptLookup(max_ngram=opts["max_ngram"])
         if method == "draft":
-            return _draft_model(opts["model"], vocab_size, dtype, opts["shape"], opts["top_k"], opts["depth"], device)
+            return _draft_model(opts["model"], bound, dtype, opts["shape"], opts["top_k"], opts["depth"], device)
         if method == "eagle":
-            return _eagle(opts["head"], target, target_name, opts["top_k"], opts["depth"])
+            return _eagle(opts["head"], bound, opts["top_k"], opts["depth"])
         if method in ("graft", "prune"):
-            return _graft(method, opts, vocab_size, dtype, target, target_name, device)
+            return _graft(method, opts, bound, dtype, device)
         return TokenRecycling(vocab_size, k=opts["k"], scope=opts["scope"])
     except (ValueError, TypeError) as err:
         raise SpecgraftError(str(err)) from err
 
 
-def _draft_model(model, vocab_size: int, dtype: str, shape: str, top_k: int, depth: int,
-                 device: str = "cpu") -> DraftModelDrafter:
-    """``model``: a registry name, a local directory (a ``.gguf`` file under ``dtype="gguf"``: the llama.cpp
-    backend), or an already loaded ``nn.Module`` / backend (tests)."""
-    if isinstance(model, str):
-        label = model
-        if dtype == "gguf":
-            from .backends import llamacpp_backend
+def _draft_backend(model, dtype: str, device: str, bound: Target) -> tuple[Backend, str]:
+    """``model``: a registry name or a local path (on the target backend's runtime: its draft factory), or an
+    already loaded ``nn.Module`` / backend (tests)."""
+    if not isinstance(model, str):
+        return (TargetBackend(model) if isinstance(model, torch.nn.Module) else model), type(model).__name__
+    if bound.backend is not None:
+        return bound.backend.draft_backend(model), model
+    return TargetBackend(load(model, dtype, device=device)[0]), model
 
-            model = llamacpp_backend(model)[0]
-        else:
-            model, _ = load(model, dtype, device=device)
-    else:
-        label = type(model).__name__
-    draft_vocab = model.vocab_size if not isinstance(model, torch.nn.Module) else \
-        int(model.get_output_embeddings().weight.shape[0])
-    if draft_vocab != vocab_size:
-        raise SpecgraftError(f"draft model '{label}' has a vocabulary of {draft_vocab} tokens but the target has "
-                             f"{vocab_size}; a draft model must share the target's tokenizer")
-    return DraftModelDrafter(model, label, shape, top_k, depth)
+
+def _draft_model(model, bound: Target, dtype: str, shape: str, top_k: int, depth: int,
+                 device: str = "cpu") -> DraftModelDrafter:
+    draft, label = _draft_backend(model, dtype, device, bound)
+    if draft.vocab_size != bound.vocab_size:
+        raise SpecgraftError(f"draft model '{label}' has a vocabulary of {draft.vocab_size} tokens but the target "
+                             f"has {bound.vocab_size}; a draft model must share the target's tokenizer")
+    return DraftModelDrafter(draft, label, shape, top_k, depth)
 
 
 def shipped_head(target_name: str):
@@ -116,14 +138,15 @@ def shipped_head(target_name: str):
     return path if (path / "config.json").exists() else None
 
 
-def _eagle(head, target, target_name: str, top_k: int, depth: int) -> EagleDrafter:
+def _eagle(head, bound: Target, top_k: int, depth: int) -> EagleDrafter:
     """``head``: "auto" (the head shipped for the target), a checkpoint directory, or a loaded head (tests)."""
-    if target is None:
+    if bound.backend is None and bound.model is None:
         raise SpecgraftError("method 'eagle' needs the target model (use Engine.drafter)")
-    if not isinstance(target, torch.nn.Module):
-        raise SpecgraftError("EAGLE-3 heads read the target's hidden states, which the llama.cpp backend does not "
-                             "expose: use --backend transformers for eagle, or graft/prune with --opt "
-                             "drafter=draft-tree / draft-chain")
+    if not bound.hidden_states:
+        raise SpecgraftError(f"EAGLE-3 heads read the target's hidden states, which the {bound.backend.capabilities.shown} "
+                             "backend does not expose: use --backend transformers for eagle, or graft/prune with "
+                             "--opt drafter=draft-tree / draft-chain")
+    target, target_name = bound.head_target, bound.name
     if isinstance(head, Eagle3Head):
         return EagleDrafter(head, "custom", top_k, depth)
     path = shipped_head(target_name) if head == "auto" else head
@@ -137,17 +160,17 @@ def _eagle(head, target, target_name: str, top_k: int, depth: int) -> EagleDraft
 INNER_KINDS = ("eagle", "draft-tree", "draft-chain")
 
 
-def inner_drafter(opts: dict, vocab_size: int, dtype: str, target, target_name: str, device: str = "cpu"):
+def inner_drafter(opts: dict, bound: Target, dtype: str = "float32", device: str = "cpu"):
     kind = opts["drafter"]
     if kind not in INNER_KINDS:
         raise SpecgraftError(f"unknown drafter '{kind}' for {opts.get('variant', 'prune')}; choose one of: "
                              f"{', '.join(INNER_KINDS)}")
     if kind == "eagle":
         d = DEFAULTS["eagle"]
-        return _eagle(opts["head"], target, target_name, d["top_k"] if opts["top_k"] == "auto" else opts["top_k"],
+        return _eagle(opts["head"], bound, d["top_k"] if opts["top_k"] == "auto" else opts["top_k"],
                       d["depth"] if opts["depth"] == "auto" else opts["depth"])
     d = DEFAULTS["draft"]
-    return _draft_model(opts["model"], vocab_size, dtype, kind.split("-")[1],
+    return _draft_model(opts["model"], bound, dtype, kind.split("-")[1],
                         d["top_k"] if opts["top_k"] == "auto" else opts["top_k"],
                         d["depth"] if opts["depth"] == "auto" else opts["depth"], device)
 
@@ -166,15 +189,28 @@ def calibration_dir(opts: dict, target_name: str):
     return base / f"graft-{kind}"
 
 
-def _graft(method: str, opts: dict, vocab_size: int, dtype: str, target, target_name: str, device: str = "cpu"):
-    inner = inner_drafter(opts, vocab_size, dtype, target, target_name, device)
-    cal, where = None, "fallback"
-    if opts["calibration"] != "none":
-        path = calibration_dir(opts, target_name) if opts["calibration"] == "auto" else Path(opts["calibration"])
-        if (path / "calibration.json").exists():
-            cal, where = Calibration.load(path), str(path)
-        elif opts["calibration"] != "auto":
-            raise SpecgraftError(f"no calibration in {path} (run `specgraft calibrate`)")
+def find_calibration(opts: dict, target_name: str, required: bool = False) -> tuple[Calibration | None, str]:
+    """The calibration a tree method's options name, and where it is: ``calibration`` "auto" (beside the head,
+    ``calibration_dir``), "none", or a directory. ``(None, "fallback")`` when there is none, unless it was named
+    explicitly or is ``required`` (one clear error). Graft's drafter, ``auto`` and the server's policy read
+    calibrations only through this."""
+    where = opts.get("calibration", "auto")
+    if where == "none":
+        if required:
+            raise SpecgraftError("this needs a calibration, but calibration=none was given")
+        return None, "fallback"
+    path = calibration_dir(opts, target_name) if where in ("auto", None) else Path(where)
+    if (path / "calibration.json").exists():
+        return Calibration.load(path), str(path)
+    if required or where not in ("auto", None):
+        raise SpecgraftError(f"no calibration in {path} (run `specgraft calibrate`)")
+    return None, "fallback"
+
+
+def _graft(method: str, opts: dict, bound: Target, dtype: str, device: str = "cpu"):
+    inner = inner_drafter(opts, bound, dtype, device)
+    cal, where = find_calibration(opts, bound.name)
+    vocab_size = bound.vocab_size
     thresholds = cal.thresholds if cal else None
     if opts["rho"] != "auto":  # thresholds at another rho, from the stored fits
         if cal is None or not 0 < float(opts["rho"]) < 1:
@@ -238,4 +274,4 @@ def check_lossy(rule: Rule, method: str, options: dict, sampling: SamplingParams
                              f"(method draft with shape=chain), not '{method}'")
 
 
-__all__ = ["DEFAULTS", "METHODS", "check_lossy", "check_options", "make_drafter"]
+__all__ = ["DEFAULTS", "METHODS", "Target", "check_lossy", "check_options", "find_calibration", "make_drafter"]

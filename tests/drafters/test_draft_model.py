@@ -10,7 +10,7 @@ from specgraft.core.sampling import SamplingParams
 
 from ..conftest import tiny_llama
 from ..stattest import N_NEGATIVE, check_loop, with_negative_control
-from ..test_engine import (SAMPLING_PARAMS, SAMPLING_PROMPT, SAMPLING_VOCAB, run, sample_counts,
+from ..engine.test_engine import (SAMPLING_PARAMS, SAMPLING_PROMPT, SAMPLING_VOCAB, run, sample_counts,
                            sampling_problem)
 
 

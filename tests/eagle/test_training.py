@@ -16,7 +16,7 @@ from specgraft.eagle.training.features import extract, load_shard, render
 from specgraft.eagle.training.trainer import TrainConfig, train
 
 from ..conftest import tiny_llama
-from ..test_engine import run
+from ..engine.test_engine import run
 
 
 @pytest.fixture(scope="module")

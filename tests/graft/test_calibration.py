@@ -5,8 +5,10 @@ import random
 import pytest
 import torch
 
-from specgraft.graft.autotune import choose_budget, expected_mat, interpolate
-from specgraft.graft.calibrate import refit_context, run_calibration
+from specgraft.auto import choose_budget
+from specgraft.costs import interpolate
+from specgraft.graft.calibration import expected_mat
+from specgraft.tools.calibrate import refit_context, run_calibration
 from specgraft.graft.calibration import Calibration, fit_threshold, isotonic
 from specgraft.engine import Engine
 from specgraft.registry import make_drafter

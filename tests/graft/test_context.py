@@ -19,7 +19,7 @@ from specgraft.registry import make_drafter
 from ..conftest import tiny_llama
 from ..eagle.test_head import random_head
 from ..stattest import N_NEGATIVE, check_loop, with_negative_control
-from ..test_engine import SAMPLING_PARAMS, SAMPLING_PROMPT, SAMPLING_VOCAB, run, sample_counts, sampling_problem
+from ..engine.test_engine import SAMPLING_PARAMS, SAMPLING_PROMPT, SAMPLING_VOCAB, run, sample_counts, sampling_problem
 
 
 def test_find_matches_golden():

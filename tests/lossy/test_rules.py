@@ -302,7 +302,7 @@ def test_parse_rule():
 def _loop_counts(backend, drafter, prompt, params, budget, n, length, rule=None):
     from dataclasses import replace
 
-    from ..test_engine import decode
+    from ..engine.test_engine import decode
 
     counts: dict = {}
     for i in range(n):
@@ -319,7 +319,7 @@ def test_lossless_sd_under_truncation_sampling_matches_ar_truncation_sampling(br
     from specgraft.registry import make_drafter
 
     from ..conftest import tiny_llama
-    from ..test_engine import exact_ar_joint
+    from ..engine.test_engine import exact_ar_joint
 
     vocab = 6
     target = tiny_llama(vocab=vocab, scale=8.0, seed=3)  # sharp enough for truncation to remove tokens

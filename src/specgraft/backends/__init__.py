@@ -1,14 +1,38 @@
-"""Backends beyond transformers: where the target (and a draft model) run. The transformers backend is
-``core.backend.TargetBackend``; every backend keeps its contract (``core.backend.Backend``)."""
+"""Where the target (and a draft model) run. Every backend keeps one contract (``core.backend.Backend``) and
+declares what it can do (``core.backend.Capabilities``); adding one means implementing that protocol and
+naming its opener in ``OPENERS`` (docs/design.md, "The Backend protocol"). The transformers backend's class
+is ``core.backend.TargetBackend``; llama.cpp's is ``backends.llamacpp.LlamaCppBackend``."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
-BACKENDS = ("transformers", "llamacpp")
+from ..errors import SpecgraftError
 
 _MODELS: dict[tuple, object] = {}  # loaded GGUF weights, shared by every context made from them
+
+
+def transformers_backend(name_or_path: str, dtype: str = "float32", cache_dir: str | os.PathLike | None = None,
+                         device: str = "cpu"):
+    """``(TargetBackend, tokenizer)`` for a registry model or a local HF directory; draft models by name load
+    with the same dtype, cache and device."""
+    from ..core.backend import TargetBackend
+    from ..models import load
+
+    model, tok = load(name_or_path, dtype, cache_dir, device)
+    return TargetBackend(model, transformers_drafts(dtype, cache_dir, device)), tok
+
+
+def transformers_drafts(dtype: str, cache_dir, device: str):
+    def load_draft(name: str):
+        from ..core.backend import TargetBackend
+        from ..models import load
+
+        return TargetBackend(load(name, dtype, cache_dir, device)[0])
+
+    return load_draft
 
 
 def llamacpp_backend(name_or_path: str, cache_dir: str | os.PathLike | None = None, settings=None):
@@ -23,3 +47,25 @@ def llamacpp_backend(name_or_path: str, cache_dir: str | os.PathLike | None = No
     if key not in _MODELS:
         _MODELS[key] = LlamaModel(gguf, settings)
     return LlamaCppBackend(_MODELS[key]), tok_dir
+
+
+def _open_llamacpp(name_or_path: str, dtype: str, cache_dir, device: str):
+    if device != "cpu":
+        raise SpecgraftError("--backend llamacpp runs on the CPU here (built without CUDA); use --device cpu")
+    from transformers import AutoTokenizer
+
+    backend, tok_dir = llamacpp_backend(name_or_path, cache_dir)
+    return backend, AutoTokenizer.from_pretrained(tok_dir)
+
+
+# backend name -> opener(model, dtype, cache_dir, device) -> (Backend, tokenizer); dtype is the transformers
+# weights' (llama.cpp runs the GGUF's own quantisation)
+OPENERS: dict[str, Callable] = {"transformers": transformers_backend, "llamacpp": _open_llamacpp}
+BACKENDS = tuple(OPENERS)
+
+
+def open_backend(kind: str, name_or_path: str, dtype: str = "float32", cache_dir=None, device: str = "cpu"):
+    """``(Backend, tokenizer)`` of backend ``kind`` for a model."""
+    if kind not in OPENERS:
+        raise SpecgraftError(f"unknown backend '{kind}'; choose one of: {', '.join(BACKENDS)}")
+    return OPENERS[kind](name_or_path, dtype, cache_dir, device)

@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core.backend import RowLengths, VerifyOutput
+from ..core.backend import Capabilities, RowLengths, VerifyOutput
 from ..core.tree import Tree
 from ..errors import SpecgraftError
 
@@ -123,7 +123,6 @@ class LlamaModel:
 class LlamaCppBackend(RowLengths):
     """B rows over one llama.cpp context; the interface of :class:`specgraft.core.backend.TargetBackend`."""
 
-    name = "llamacpp"
     dtype = torch.float32  # llama.cpp returns fp32 logits whatever the weights' quantisation
 
     def __init__(self, model: LlamaModel, settings: LlamaSettings | None = None):
@@ -142,9 +141,14 @@ class LlamaCppBackend(RowLengths):
         if not self.ctx:
             raise SpecgraftError("llama.cpp could not create a context (out of memory?)")
         self.mem = lc.llama_get_memory(self.ctx)
-        self.vocab_size = model.vocab_size
+        self.vocab_size, self.eos_ids = model.vocab_size, model.eos_ids
         self.max_positions = min(s.n_ctx, model.n_ctx_train or s.n_ctx)
         self._batch = lc.llama_batch_init(s.n_batch, 0, MAX_SEQ)
+        version = getattr(import_llama_cpp(), "__version__", "?")
+        self.capabilities = Capabilities("llamacpp", "gguf", f"threads={threads}|llama_cpp={version}", "cpu",
+                                         hidden_states=False, references=("llama_pld",), label="llama.cpp",
+                                         tie_gap=1.0, tie_note="llama.cpp's quantised kernels round a tree decode "
+                                                               "and a one-token decode differently (docs/backends.md)")
         self.reset()
 
     def __del__(self):
@@ -157,6 +161,12 @@ class LlamaCppBackend(RowLengths):
     def clone(self) -> "LlamaCppBackend":
         """An empty backend on the same weights (a drafter's own cache)."""
         return LlamaCppBackend(self.model, self.settings)
+
+    def draft_backend(self, model: str) -> "LlamaCppBackend":
+        """A draft model's GGUF (a registry name or a ``.gguf`` path) on llama.cpp, with these settings."""
+        from . import llamacpp_backend
+
+        return llamacpp_backend(model, settings=self.settings)[0]
 
     def reset(self) -> None:
         self.lc.llama_memory_clear(self.mem, True)

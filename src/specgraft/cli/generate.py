@@ -71,25 +71,38 @@ def generate(
 ) -> None:
     """Generate a reply, streaming text, then print one statistics line (to stderr). --method auto (default)
     first prints its choice and why (stderr); --compare runs AR beside the method."""
-    from ..auto import resolve
-    from ..engine import Engine
     from ..core.sampling import SamplingParams
+    from ..engine import Engine
     from .compare import compare as run_compare
 
-    from ..lossy.rules import parse_rule
-    from ..registry import check_lossy
-
     sampling = SamplingParams(temperature, top_k, top_p, seed, min_p, eta)
-    auto = method == "auto"
     flags = {"--pld-max-ngram": pld_max_ngram, "--recycle-k": recycle_k, "--recycle-scope": recycle_scope,
              "--draft-model": draft_model, "--draft-shape": draft_shape, "--draft-top-k": draft_top_k,
              "--draft-depth": draft_depth, "--head": head, "--eagle-top-k": eagle_top_k, "--eagle-depth": eagle_depth}
     opts = _method_options(method, pld_max_ngram, recycle_k, recycle_scope, draft_model, draft_shape, draft_top_k,
                            draft_depth, head, eagle_top_k, eagle_depth)
+    opts, budget, rule = _check_request(method, compare, sampling, flags, opts, opt, budget, verify)
+    quiet_transformers()
+    engine = Engine(model, dtype, cache_dir, backend=backend, device=device)
+    method, budget, opts, choice, stream = _open_stream(engine, prompt, method, budget, opts, sampling,
+                                                        max_new_tokens, tuple(stop), chat, rule)
+    if compare:
+        run_compare(engine, prompt, method, budget, opts, choice, as_json, sampling, max_new_tokens, tuple(stop),
+                    chat, rule)
+        return
+    _print_reply(stream, choice, as_json)
+
+
+def _check_request(method: str, compare: bool, sampling, flags: dict, opts: dict, opt: list[str], budget, verify: str):
+    """Every check that needs no model, so a bad command line fails at once with one error line: the method
+    options (flags and --opt merged), the parsed budget and the verification rule."""
+    from ..eval.harness import parse_budget, parse_opts
+    from ..lossy.rules import parse_rule
+    from ..registry import check_lossy
+
+    auto = method == "auto"
     if not auto and method not in METHODS:
         raise SpecgraftError(f"unknown method '{method}'; choose auto (the default) or one of: {', '.join(METHODS)}")
-    from ..eval.harness import parse_budget, parse_opts
-
     opts.update(parse_opts(opt))
     budget = parse_budget(budget)
     given = [f for f, v in flags.items() if v is not None] + (["--opt"] if opt else []) + \
@@ -105,22 +118,31 @@ def generate(
         print(f"warning: {rule.spec} is LOSSY: the output does not follow the target distribution", file=sys.stderr)
     if compare and method in ("ar", "hf_assisted", "llama_pld"):
         raise SpecgraftError(f"--compare compares a speculative method with AR, not '{method}' (try --method auto)")
-    quiet_transformers()
-    engine = Engine(model, dtype, cache_dir, backend=backend, device=device)
+    return opts, budget, rule
+
+
+def _open_stream(engine, prompt: str, method: str, budget, opts: dict, sampling, max_new_tokens: int,
+                 stop: tuple[str, ...], chat: bool, rule):
+    """Resolve --method auto on the loaded engine and open the request's stream: (method, budget, options, auto's
+    choice or None, stream)."""
+    from ..auto import resolve
+
     choice = None
-    if auto:
+    if method == "auto":
         engine.encode(prompt, chat)  # a bad prompt fails before any latency measurement
         method, budget, opts, choice = resolve(engine, "auto")
     # Validates the whole request (errors raise here; nothing runs until iterated), so a bad request prints
     # one error line, not the auto choice first. --compare drives its own requests and drops this one.
-    stream = engine.stream(prompt, method, sampling=sampling, max_new_tokens=max_new_tokens, stop=tuple(stop),
+    stream = engine.stream(prompt, method, sampling=sampling, max_new_tokens=max_new_tokens, stop=stop,
                            chat=chat, budget=budget, verify=rule, **opts)
     if choice is not None:
         print(f"method auto: {choice.describe()} — {choice.reason}", file=sys.stderr)
-    if compare:
-        run_compare(engine, prompt, method, budget, opts, choice, as_json, sampling, max_new_tokens, tuple(stop),
-                    chat, rule)
-        return
+    return method, budget, opts, choice, stream
+
+
+def _print_reply(stream, choice, as_json: bool) -> None:
+    """The text as it is generated, then the statistics line on stderr; or, with --json, one record (with auto's
+    choice in its config) once the reply is complete."""
     if as_json:
         for _ in stream:
             pass

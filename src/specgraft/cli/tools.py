@@ -85,7 +85,7 @@ def _context_only(out_dir, model: str, dtype: str, cache_dir) -> None:
     from rich.progress import Progress
 
     from ..engine import Engine
-    from ..graft.calibrate import refit_context
+    from ..tools.calibrate import refit_context
     from ..graft.calibration import Calibration
 
     cal = Calibration.load(out_dir)
@@ -135,9 +135,9 @@ def calibrate(
 
     from ..engine import Engine
     from ..eval.datasets import load_conversations
-    from ..graft.calibrate import run_calibration
+    from ..tools.calibrate import run_calibration
     from ..graft.calibration import MIN_OBS
-    from ..registry import INNER_KINDS, calibration_dir, inner_drafter
+    from ..registry import INNER_KINDS, Target, calibration_dir, inner_drafter
 
     if drafter not in INNER_KINDS:
         raise SpecgraftError(f"unknown drafter '{drafter}'; choose one of: {', '.join(INNER_KINDS)}")
@@ -159,7 +159,7 @@ def calibrate(
     state = out_dir / "calibrate-state.pt"
     if state.exists() and not resume:
         raise SpecgraftError(f"{out_dir} holds an interrupted calibration; pass --resume or remove {state}")
-    inner = inner_drafter(opts, engine.vocab_size, dtype, engine.backend.model, model, engine.device)
+    inner = inner_drafter(opts, Target(engine.vocab_size, model, engine.backend), dtype, engine.device)
     out_dir.mkdir(parents=True, exist_ok=True)
     with Progress() as bar:
         task = bar.add_task("calibrate", total=rounds + extra)
@@ -208,7 +208,7 @@ def distortion(
     prompts: closed form for chains, exact gate yields (and optional Monte Carlo) over real trees."""
     from rich.progress import Progress
 
-    from ..lossy.distortion import DistortionConfig, aggregate, markdown_table, run_distortion
+    from ..tools.distortion import DistortionConfig, aggregate, markdown_table, run_distortion
     from ..lossy.rules import GRID, parse_rule
     from ..core.sampling import SamplingParams
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from transformers import DynamicCache
@@ -39,14 +39,44 @@ class VerifyOutput:
     hidden: dict[int, torch.Tensor] | None  # layer index -> [W, H], when asked
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, declared once: the engine, the registry, ``auto`` and the server read this, never
+    the backend's type (docs/design.md, "The Backend protocol")."""
+
+    name: str  # "transformers", "llamacpp": in every record and message
+    weights: str  # the weights' format, in every record and cost-curve key: "float32", "bfloat16", "gguf"
+    runtime: str  # what else a cost curve measured on it depends on: threads, library version
+    device: str = "cpu"  # where its forwards run
+    hidden_states: bool = False  # returns the hidden state entering chosen layers (EAGLE-3 heads, Graft on them)
+    references: tuple[str, ...] = ()  # outside references whose library loop runs on ``Backend.model``
+    label: str = ""  # how messages name it ("llama.cpp"); ``name`` when empty
+    # Below this logit gap a tree forward and a one-token forward may pick different tokens (a near-tie): a few
+    # bf16 ULPs at typical logit sizes (the measured divergences: <= 0.25); fp32: the tests' tie gap; llama.cpp:
+    # activations re-quantised at every matmul turn summation order into differences up to ~1 (docs/backends.md)
+    tie_gap: float = 0.5
+    tie_note: str = ""  # why such a tie may differ here, and what to do about it (--compare's note)
+
+    @property
+    def shown(self) -> str:
+        return self.label or self.name
+
+
 class Backend(Protocol):
     """What the engine and the drafters with their own model need from a backend (transformers: this module;
     llama.cpp: ``specgraft.backends.llamacpp``). Rows are requests; each holds exactly its committed prefix."""
 
-    name: str
+    capabilities: Capabilities
+    model: object  # the library's own handle on the weights (an HF module, a LlamaModel): heads and references
     lengths: list[int]
     max_positions: int
     vocab_size: int
+    eos_ids: set[int]  # the model's end-of-sequence tokens (the tokenizer's are added by the engine)
+
+    @property
+    def name(self) -> str:
+        """``capabilities.name``."""
+        ...
 
     @property
     def rows(self) -> int: ...
@@ -88,6 +118,10 @@ class Backend(Protocol):
         """The most of each ``capacity`` resource one request can hold at once (prompt, output, widest tree)."""
         ...
 
+    def draft_backend(self, model: str) -> "Backend":
+        """A backend for a draft model (a registry name or a local path) on the same runtime and device."""
+        ...
+
 
 def check_tree_support(config) -> None:
     """Refuse models whose attention we cannot steer with one additive mask (sliding-window layers)."""
@@ -108,6 +142,11 @@ class RowLengths:
     """Row bookkeeping both backends share: ``lengths[i]`` = row ``i``'s committed tokens."""
 
     lengths: list[int]
+    capabilities: Capabilities
+
+    @property
+    def name(self) -> str:
+        return self.capabilities.name
 
     @property
     def rows(self) -> int:
@@ -133,24 +172,50 @@ class RowLengths:
         return self.lengths[0]
 
 
+def torch_runtime() -> str:
+    """What a transformers cost curve depends on besides the model and the machine."""
+    return f"threads={torch.get_num_threads()}|torch={torch.__version__}"
+
+
+DraftLoader = Callable[[str], "Backend"]
+
+
 class TargetBackend(RowLengths):
-    name = "transformers"
-    def __init__(self, model: torch.nn.Module):
+    """The transformers backend. ``draft_loader(name)`` builds a draft model's backend (the caller knows where
+    models come from: ``specgraft.backends.transformers_backend``); without one, draft models must be passed
+    loaded."""
+
+    def __init__(self, model: torch.nn.Module, draft_loader: DraftLoader | None = None):
         check_tree_support(model.config)
         self.model = model.eval()
         self.dtype = next(model.parameters()).dtype
+        self.draft_loader = draft_loader
         self.neg = torch.finfo(self.dtype).min
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self._cache_kw = cache_keyword(model)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.eos_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
         # The model (and its cache) may sit on a GPU; inputs go there, logits and hidden states come back to the
         # CPU, where the drafters, retrieval and verification run.
         self.device = next(model.parameters()).device
+        fp32 = self.dtype == torch.float32
+        self.capabilities = Capabilities("transformers", str(self.dtype).replace("torch.", ""), torch_runtime(),
+                                         str(self.device), hidden_states=True, references=("hf_assisted",),
+                                         tie_gap=1e-3 if fp32 else 0.5,
+                                         tie_note=f"a tree forward and a one-token forward round differently in "
+                                                  f"{str(self.dtype).replace('torch.', '')}; --dtype float32 is the "
+                                                  "exactness reference")
         self.reset()
 
     def clone(self) -> "TargetBackend":
         """An empty backend on the same weights (a drafter's own cache)."""
-        return TargetBackend(self.model)
+        return TargetBackend(self.model, self.draft_loader)
+
+    def draft_backend(self, model: str) -> "TargetBackend":
+        if self.draft_loader is None:
+            raise SpecgraftError(f"this backend cannot load draft model '{model}' by name; pass the model loaded")
+        return self.draft_loader(model)
 
     def reset(self) -> None:
         self.cache: DynamicCache | None = None

@@ -54,6 +54,21 @@ class Calibration:
     context: dict | None = None  # context retrieval's acceptance table (graft.context.fit_context)
     sequences: list[list[int]] = field(default_factory=list)  # the warm-up decodes: prompt length, then ids
 
+    # -- what every budget decision reads (auto.py, ``--budget auto``, the server's policy) ---------------
+    @property
+    def draft_s(self) -> float:
+        """Mean drafting seconds per step, measured during calibration (the full draft, ungated)."""
+        return float(self.meta.get("draft_s_per_step", 0.0))
+
+    @property
+    def max_budget(self) -> int:
+        """The largest budget the recorded ranks can replay."""
+        return int(self.meta.get("budget", 60))
+
+    def mat(self, budget: int) -> float:
+        """Expected MAT of the dense tree at ``budget`` (``expected_mat`` over the recorded ranks)."""
+        return expected_mat(self.accepted_ranks, budget)
+
     def thresholds_for(self, rho: float) -> tuple[float, ...]:
         """Re-read the stored monotone fits at another ``rho`` (no recalibration needed)."""
         fits = self.meta.get("fits", {})
@@ -122,6 +137,37 @@ class Calibration:
         if (path / "matrix.safetensors").exists():
             cal.snapshot = load_file(str(path / "matrix.safetensors"))
         return cal
+
+
+def below(fit: dict, tau: float) -> float:
+    """Share of calibration steps whose checkpoint confidence fell below ``tau``, read from the fit's equal-mass
+    bins (linear inside a bin; the last bin ends at 1). No fit: 0 (assume the gate never fires)."""
+    edges = fit.get("bin_lower_edges") or []
+    share = 0.0
+    for i, lo in enumerate(edges):
+        hi = edges[i + 1] if i + 1 < len(edges) else 1.0
+        if tau >= hi:
+            share += 1
+        elif tau > lo:
+            share += (tau - lo) / (hi - lo)
+    return share / len(edges) if edges else 0.0
+
+
+def gate_pass_share(cal: "Calibration", depth: int) -> float:
+    """Expected drafting passes under the calibrated gate / passes of the full draft (1 + depth).
+
+    Confidences fall with depth, so "stopped by checkpoint i" is taken as nested: its probability is the
+    largest ``below`` over checkpoints up to i."""
+    fits = cal.meta.get("fits", {})
+    stopped, passes = 0.0, 0.0
+    for level, tau in zip(cal.checkpoints, cal.thresholds):
+        if level >= depth:
+            break
+        now = max(stopped, below(fits.get(str(level), {}), tau))
+        passes += (now - stopped) * (level + 1)
+        stopped = now
+    passes += (1 - stopped) * (depth + 1)
+    return passes / (depth + 1)
 
 
 def isotonic(y: list[float], w: list[float]) -> list[float]:

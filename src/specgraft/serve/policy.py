@@ -7,7 +7,7 @@ step with B >= 2 requests, each request's budget becomes
 
     K*(B) = argmax_{0 <= K <= budget}  B * MAT(K) / (B * draft_s + verify_s(B * (K + 1)))
 
-with ``verify_s`` this machine's measured latency curve (graft/autotune.py, made non-decreasing; proportional to
+with ``verify_s`` this machine's measured latency curve (``costs.py``, made non-decreasing; proportional to
 the width beyond the widest measurement) read at the batch's total slots and
 ``MAT(K)`` replayed from the method's calibration (eagle / graft / prune), as ``--budget auto`` does for one
 request. Methods without a calibration (pld, recycle, draft) keep their trees inside the curve's cheap region:
@@ -20,12 +20,10 @@ but not reproducible); greedy outputs do not depend on the tree at all.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from ..auto import draft_share
-from ..graft.autotune import expected_mat, interpolate, latency_curve
-from ..graft.calibration import Calibration
-from ..registry import calibration_dir
+from ..costs import interpolate, latency_curve
+from ..graft.calibration import expected_mat
+from ..registry import find_calibration
 
 CALIBRATED = ("eagle", "graft", "prune")
 
@@ -79,10 +77,8 @@ class BatchBudget:
             try:
                 opts = {k: v for k, v in config.items() if k in ("drafter", "calibration", "head")}
                 opts.setdefault("drafter", "eagle")
-                where = opts.get("calibration", "auto")
-                path = calibration_dir(opts, self.model) if where in ("auto", None) else where
-                cal = Calibration.load(Path(path))
-                draft_s = float(cal.meta.get("draft_s_per_step", 0.0)) * draft_share(method, opts["drafter"], cal)
+                cal, _ = find_calibration(opts, self.model, required=True)
+                draft_s = cal.draft_s * draft_share(method, opts["drafter"], cal)
                 self._cal[key] = (cal.accepted_ranks, draft_s) if cal.accepted_ranks else None
             except Exception:  # noqa: BLE001 -- no usable calibration: fall back to the knee rule
                 self._cal[key] = None

@@ -88,77 +88,92 @@ def _move(conv: dict, device) -> dict:
     return {k: v.to(device) for k, v in conv.items()}
 
 
-def train(target, features_dir: Path, out_dir: Path, cfg: TrainConfig, resume: bool = False,
-          log=print, target_name: str | None = None) -> dict:
-    meta = json.loads((features_dir / "features.json").read_text())
-    shards = [features_dir / s for s in meta["shards"]]
-    state_dir = out_dir / "train_state"
-    ckpt_path = state_dir / "checkpoint.pt"
-    if ckpt_path.exists() and not resume:
-        raise SpecgraftError(f"{out_dir} already holds a training run; pass --resume to continue it or pick a new --out")
-    if resume and not ckpt_path.exists():
-        raise SpecgraftError(f"nothing to resume in {out_dir} (no train_state/checkpoint.pt)")
-    state_dir.mkdir(parents=True, exist_ok=True)
-    device = _device(cfg.device)
-    if resume:
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        cfg = TrainConfig(**{**ckpt["config"], "device": cfg.device})
-        vocab_ids, coverage = ckpt["vocab_ids"], ckpt["coverage"]
-    else:
-        vocab_ids, coverage = choose_vocab(shards, target.config.vocab_size, cfg.draft_vocab)
-        log(f"draft vocabulary: {len(vocab_ids)} tokens cover {coverage:.1%} of the target's labelled predictions")
-    torch.manual_seed(cfg.seed)
-    head = init_head(target, vocab_ids, cfg.intermediate).to(device).train()
-    t2d_index = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
-    t2d_index[vocab_ids] = torch.arange(len(vocab_ids))
-    t2d_index = t2d_index.to(device)
-    params = [p for n, p in head.named_parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    train_tokens = meta["train_tokens"]
-    total_steps = max(1, math.ceil(train_tokens * cfg.epochs / cfg.batch_tokens))
+class _Run:
+    """One training run between its set-up and its export: the head and its optimizer, the progress a checkpoint
+    saves (so ``--resume`` continues at the same step and conversation), and the held-out set every evaluation
+    uses."""
 
-    def lr_at(step: int) -> float:  # linear warm-up, cosine to 10%
+    def __init__(self, target, features_dir: Path, out_dir: Path, cfg: TrainConfig, resume: bool, log):
+        self.meta = json.loads((features_dir / "features.json").read_text())
+        self.shards = [features_dir / s for s in self.meta["shards"]]
+        self.state_dir = out_dir / "train_state"
+        self.ckpt_path = self.state_dir / "checkpoint.pt"
+        if self.ckpt_path.exists() and not resume:
+            raise SpecgraftError(f"{out_dir} already holds a training run; pass --resume to continue it or pick a "
+                                 "new --out")
+        if resume and not self.ckpt_path.exists():
+            raise SpecgraftError(f"nothing to resume in {out_dir} (no train_state/checkpoint.pt)")
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.log = log
+        self.device = _device(cfg.device)
+        ckpt = None
+        if resume:  # the run's own configuration wins over the flags, except where it runs
+            ckpt = torch.load(self.ckpt_path, map_location="cpu", weights_only=False)
+            cfg = TrainConfig(**{**ckpt["config"], "device": cfg.device})
+            self.vocab_ids, self.coverage = ckpt["vocab_ids"], ckpt["coverage"]
+        else:
+            self.vocab_ids, self.coverage = choose_vocab(self.shards, target.config.vocab_size, cfg.draft_vocab)
+            log(f"draft vocabulary: {len(self.vocab_ids)} tokens cover {self.coverage:.1%} of the target's "
+                "labelled predictions")
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        self.head = init_head(target, self.vocab_ids, cfg.intermediate).to(self.device).train()
+        t2d_index = torch.full((target.config.vocab_size,), -1, dtype=torch.long)  # target id -> draft id (or -1)
+        t2d_index[self.vocab_ids] = torch.arange(len(self.vocab_ids))
+        self.t2d_index = t2d_index.to(self.device)
+        self.params = [p for n, p in self.head.named_parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.train_tokens = self.meta["train_tokens"]
+        self.total_steps = max(1, math.ceil(self.train_tokens * cfg.epochs / cfg.batch_tokens))
+        self.prog = {"step": 0, "epoch": 0, "conv_in_epoch": 0, "tokens_seen": 0, "wall_s": 0.0}
+        if ckpt is not None:
+            self.head.load_state_dict(ckpt["head"])
+            self.opt.load_state_dict(ckpt["opt"])
+            self.prog = ckpt["progress"]
+            log(f"resuming at step {self.prog['step']} (epoch {self.prog['epoch']}, {self.prog['tokens_seen']} "
+                "tokens seen)")
+        self.autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16))
+        self.eval_convs = [_move(c, self.device) for c in load_shard(features_dir / "eval.safetensors")]
+        self.metrics_path = out_dir / "metrics.jsonl"
+        self.n_params = parameter_count(self.head)
+        # the train loss averaged since the last record, and when the current stretch of training time began
+        self.loss_sum, self.loss_n, self.t_mark = 0.0, 0, time.perf_counter()
+
+    def lr_at(self, step: int) -> float:  # linear warm-up, cosine to 10%
+        cfg = self.cfg
         if step < cfg.warmup_steps:
             return cfg.lr * (step + 1) / cfg.warmup_steps
-        x = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        x = min(1.0, (step - cfg.warmup_steps) / max(1, self.total_steps - cfg.warmup_steps))
         return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * x)))
 
-    prog = {"step": 0, "epoch": 0, "conv_in_epoch": 0, "tokens_seen": 0, "wall_s": 0.0}
-    if resume:
-        head.load_state_dict(ckpt["head"])
-        opt.load_state_dict(ckpt["opt"])
-        prog = ckpt["progress"]
-        log(f"resuming at step {prog['step']} (epoch {prog['epoch']}, {prog['tokens_seen']} tokens seen)")
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
-    eval_convs = [_move(c, device) for c in load_shard(features_dir / "eval.safetensors")]
-    metrics_path = out_dir / "metrics.jsonl"
-    n_params = parameter_count(head)
+    def evaluate(self) -> dict:
+        return evaluate(self.head, self.eval_convs, self.cfg.ttt_steps, self.t2d_index, self.autocast)
 
-    def checkpoint() -> None:
-        tmp = state_dir / "checkpoint.pt.tmp"
-        torch.save({"config": asdict(cfg), "vocab_ids": vocab_ids, "coverage": coverage, "head": head.state_dict(),
-                    "opt": opt.state_dict(), "progress": prog}, tmp)
-        os.replace(tmp, ckpt_path)
+    def checkpoint(self) -> None:
+        """Written to a temporary file and renamed: a run killed mid-save keeps its previous checkpoint."""
+        tmp = self.state_dir / "checkpoint.pt.tmp"
+        torch.save({"config": asdict(self.cfg), "vocab_ids": self.vocab_ids, "coverage": self.coverage,
+                    "head": self.head.state_dict(), "opt": self.opt.state_dict(), "progress": self.prog}, tmp)
+        os.replace(tmp, self.ckpt_path)
 
-    def record(extra: dict) -> None:
-        row = {**prog, **extra}
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    def record(self, extra: dict) -> None:
+        prog = self.prog
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps({**prog, **extra}) + "\n")
         acc = " ".join(f"{a:.3f}" for a in extra.get("eval_acc", []))
-        log(f"step {prog['step']}/{total_steps} tokens {prog['tokens_seen']} wall {prog['wall_s']:.0f}s "
-            f"train_loss {extra.get('train_loss', float('nan')):.3f} held-out top-1 per step: {acc}")
+        self.log(f"step {prog['step']}/{self.total_steps} tokens {prog['tokens_seen']} wall {prog['wall_s']:.0f}s "
+                 f"train_loss {extra.get('train_loss', float('nan')):.3f} held-out top-1 per step: {acc}")
 
-    if prog["step"] == 0:
-        record({"train_loss": float("nan"), **evaluate(head, eval_convs, cfg.ttt_steps, t2d_index, autocast)})
-    bar = tqdm(total=total_steps, initial=prog["step"], unit="step", desc="train-head", dynamic_ncols=True)
-    loss_sum, loss_n, t_mark = 0.0, 0, time.perf_counter()
-    while prog["step"] < total_steps:
-        order = list(range(len(shards)))
+    def train_epoch(self, bar) -> bool:
+        """One pass over the shards in this epoch's order, skipping the conversations a resumed run already
+        trained on; True if the pass completed, False if it stopped at the last step."""
+        prog, cfg = self.prog, self.cfg
+        order = list(range(len(self.shards)))
         random.Random(cfg.seed + prog["epoch"]).shuffle(order)
         convs_done = 0
         batch_tok = 0
         for si in order:
-            convs = load_shard(shards[si])
+            convs = load_shard(self.shards[si])
             if convs_done + len(convs) <= prog["conv_in_epoch"]:
                 convs_done += len(convs)  # already trained on in this epoch before the resume
                 continue
@@ -166,57 +181,76 @@ def train(target, features_dir: Path, out_dir: Path, cfg: TrainConfig, resume: b
                 convs_done += 1
                 if convs_done <= prog["conv_in_epoch"]:
                     continue
-                with autocast():
-                    loss, per = ttt_loss(head, _move(conv, device), cfg.ttt_steps, t2d_index)
+                with self.autocast():
+                    loss, per = ttt_loss(self.head, _move(conv, self.device), cfg.ttt_steps, self.t2d_index)
                 if loss is None or not torch.is_tensor(loss):
                     continue
                 tokens = int(conv["ids"].shape[0])
+                # gradients accumulate over whole conversations, each weighted by its share of the batch
                 (loss * tokens / cfg.batch_tokens).backward()
-                loss_sum, loss_n = loss_sum + float(loss.detach()), loss_n + 1
+                self.loss_sum, self.loss_n = self.loss_sum + float(loss.detach()), self.loss_n + 1
                 batch_tok += tokens
                 prog["tokens_seen"] += tokens
                 prog["conv_in_epoch"] = convs_done
                 if batch_tok < cfg.batch_tokens:
                     continue
-                for g in opt.param_groups:
-                    g["lr"] = lr_at(prog["step"])
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
                 batch_tok = 0
-                prog["step"] += 1
-                now = time.perf_counter()
-                prog["wall_s"] += now - t_mark
-                t_mark = now
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss_sum / max(1, loss_n):.3f}", epoch=prog["epoch"])
-                last = prog["step"] >= total_steps
-                if prog["step"] % cfg.eval_every == 0 or last:
-                    record({"train_loss": loss_sum / max(1, loss_n),
-                            **evaluate(head, eval_convs, cfg.ttt_steps, t2d_index, autocast)})
-                    loss_sum, loss_n = 0.0, 0
-                    t_mark = time.perf_counter()  # evaluation time is not training time
-                if prog["step"] % cfg.ckpt_every == 0 or last:
-                    checkpoint()
-                if last:
-                    break
-            if prog["step"] >= total_steps:
-                break
-        else:
-            prog["epoch"] += 1
-            prog["conv_in_epoch"] = 0
+                if self.optimizer_step(bar):
+                    return False
+        return True
+
+    def optimizer_step(self, bar) -> bool:
+        """Apply the accumulated batch, then evaluate and checkpoint when due; True after the last step."""
+        prog, cfg = self.prog, self.cfg
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr_at(prog["step"])
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        prog["step"] += 1
+        now = time.perf_counter()
+        prog["wall_s"] += now - self.t_mark
+        self.t_mark = now
+        bar.update(1)
+        bar.set_postfix(loss=f"{self.loss_sum / max(1, self.loss_n):.3f}", epoch=prog["epoch"])
+        last = prog["step"] >= self.total_steps
+        if prog["step"] % cfg.eval_every == 0 or last:
+            self.record({"train_loss": self.loss_sum / max(1, self.loss_n), **self.evaluate()})
+            self.loss_sum, self.loss_n = 0.0, 0
+            self.t_mark = time.perf_counter()  # evaluation time is not training time
+        if prog["step"] % cfg.ckpt_every == 0 or last:
+            self.checkpoint()
+        return last
+
+    def export(self, target, out_dir: Path, target_name: str | None) -> dict:
+        """Final checkpoint and evaluation; the head in EAGLE-3 format, its summary, model card and plot."""
+        self.checkpoint()
+        final = self.evaluate()
+        summary = {"target": target_name or target.config._name_or_path or target.config.model_type,
+                   "config": asdict(self.cfg), "parameters": self.n_params, "draft_vocab_coverage": self.coverage,
+                   "unique_train_tokens": self.train_tokens, "feature_seconds": self.meta["seconds"],
+                   "device": str(self.device), **self.prog, **final}
+        save_head(self.head.cpu().float(), out_dir, extra={"specgraft_training": {
+            k: summary[k] for k in ("tokens_seen", "step", "wall_s", "unique_train_tokens", "eval_acc")}})
+        (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (out_dir / "README.md").write_text(model_card(summary, self.meta))
+        plot(self.metrics_path, out_dir / "training.png")
+        return summary
+
+
+def train(target, features_dir: Path, out_dir: Path, cfg: TrainConfig, resume: bool = False,
+          log=print, target_name: str | None = None) -> dict:
+    run = _Run(target, features_dir, out_dir, cfg, resume, log)
+    if run.prog["step"] == 0:  # the untrained head: where the curves start
+        run.record({"train_loss": float("nan"), **run.evaluate()})
+    bar = tqdm(total=run.total_steps, initial=run.prog["step"], unit="step", desc="train-head", dynamic_ncols=True)
+    run.t_mark = time.perf_counter()  # set-up and the first evaluation are not training time
+    while run.prog["step"] < run.total_steps:
+        if run.train_epoch(bar):
+            run.prog["epoch"] += 1
+            run.prog["conv_in_epoch"] = 0
     bar.close()
-    checkpoint()
-    final = evaluate(head, eval_convs, cfg.ttt_steps, t2d_index, autocast)
-    summary = {"target": target_name or target.config._name_or_path or target.config.model_type, "config": asdict(cfg),
-               "parameters": n_params, "draft_vocab_coverage": coverage, "unique_train_tokens": train_tokens,
-               "feature_seconds": meta["seconds"], "device": str(device), **prog, **final}
-    save_head(head.cpu().float(), out_dir, extra={"specgraft_training": {
-        k: summary[k] for k in ("tokens_seen", "step", "wall_s", "unique_train_tokens", "eval_acc")}})
-    (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (out_dir / "README.md").write_text(model_card(summary, meta))
-    plot(metrics_path, out_dir / "training.png")
-    return summary
+    return run.export(target, out_dir, target_name)
 
 
 def model_card(s: dict, meta: dict) -> str:

@@ -13,7 +13,7 @@ from specgraft.core.sampling import SamplingParams
 from specgraft.engine import Engine, NoCapacity
 from specgraft.errors import SpecgraftError
 
-from .conftest import tiny_llama
+from ..conftest import tiny_llama
 
 
 @pytest.fixture

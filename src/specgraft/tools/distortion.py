@@ -27,10 +27,10 @@ import torch
 from ..engine import Engine
 from ..eval.datasets import load_dataset
 from ..eval.harness import read_records
-from .rules import Rule, kl, parse_rule, tree_node_yield, tv
+from ..lossy.rules import Rule, kl, parse_rule, tree_node_yield, tv
 from ..core.sampling import SamplingParams, make_generator, target_probs
 from ..core.tree import Tree
-from .verify import lossy_tree
+from ..lossy.verify import lossy_tree
 
 
 @dataclass

@@ -16,9 +16,9 @@ from ..drafters.matrix import AdjacencyMatrix
 from ..engine import Engine
 from ..text import chat_ids
 from ..errors import SpecgraftError
-from .context import fit_context
-from .calibration import FALLBACK_TAU_TAIL, MIN_OBS, Calibration, Recorder, fit_threshold
-from .pruning import CHECKPOINTS, FALLBACK_THRESHOLDS
+from ..graft.context import fit_context
+from ..graft.calibration import FALLBACK_TAU_TAIL, MIN_OBS, Calibration, Recorder, fit_threshold
+from ..graft.pruning import CHECKPOINTS, FALLBACK_THRESHOLDS
 
 
 def teacher_forced(engine: Engine, messages: list[dict], matrix, max_len: int = 1024) -> int:

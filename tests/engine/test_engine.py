@@ -1,5 +1,5 @@
 """The engine loop at B = 1 on a tiny random model: greedy equality for every drafter, sampling distribution.
-(B > 1, joining and aborting requests: test_engine_batch.py.)"""
+(B > 1, joining and aborting requests: test_batch.py.)"""
 
 
 import numpy as np
@@ -14,8 +14,8 @@ from specgraft.core.drafter import DraftContext
 from specgraft.core.sampling import SamplingParams, target_probs
 from specgraft.core.tree import Tree
 
-from .conftest import tiny_llama
-from .stattest import N_NEGATIVE, check_loop, with_negative_control
+from ..conftest import tiny_llama
+from ..stattest import N_NEGATIVE, check_loop, with_negative_control
 
 
 def decode(model, drafter, prompt, params, n, budget, eos=frozenset(), verify="lossless"):

@@ -10,9 +10,9 @@ from specgraft.graft.drafter import GraftDrafter
 from specgraft.graft.pruning import SparseGate
 from specgraft.registry import make_drafter
 
-from .conftest import tiny_llama
-from .eagle.test_head import random_head
-from .stattest import N_NEGATIVE, check_loop, with_negative_control
+from ..conftest import tiny_llama
+from ..eagle.test_head import random_head
+from ..stattest import N_NEGATIVE, check_loop, with_negative_control
 from .test_engine import decode
 
 PROMPTS = [[1, 2, 3, 4], [9, 9, 2, 7, 7, 3, 1], [5], [3, 1, 4, 1, 5, 9, 2, 6]]

@@ -1,0 +1,90 @@
+"""The target's measured verification cost: seconds per forward by tree width, per machine, cached.
+
+Every budget decision reads this one curve: ``--budget auto`` and ``--method auto`` (``auto.py``) and the
+server's budget under load (``serve/policy.py``). It is measured through the Backend protocol (a chain of ``W``
+tokens after a 256-token prefix, median of 3) and cached under a key naming what it depends on: the model,
+the backend's weights format, this CPU, the backend's runtime (threads, library version) and its device
+(``Backend.capabilities``). Nothing here is hard-coded per machine.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+
+from .core.backend import torch_runtime
+from .core.tree import Tree
+from .env import amx_state, cpu_name
+from .errors import SpecgraftError
+from .models import cache_root
+
+WIDTHS = (1, 2, 4, 8, 12, 16, 20, 24, 32, 40, 48, 61, 64)
+
+
+def machine_key(model: str, weights: str, device: str = "cpu", runtime: str | None = None) -> str:
+    """Where a measured curve is valid: model, weights format (gguf: the llama.cpp backend), machine, runtime,
+    device."""
+    raw = f"{model}|{weights}|{cpu_name()}|{runtime or torch_runtime()}"
+    if amx_state() == "usable":  # the same CPU name with and without usable AMX has different curves
+        raw += "|amx"
+    if device != "cpu":  # transformers CPU keys without AMX keep their old form (existing caches stay valid)
+        raw += f"|device={device}"
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in raw)[:200]
+
+
+def engine_key(engine) -> str:
+    caps = engine.capabilities
+    return machine_key(engine.model_name, caps.weights, caps.device, caps.runtime)
+
+
+def curve_path(engine):
+    return cache_root() / "latency" / f"{engine_key(engine)}.json"
+
+
+def measure_curve(backend, vocab_size: int, widths=WIDTHS, prefix: int = 256, reps: int = 3) -> dict[int, float]:
+    """Seconds per verification forward by slot count on an idle backend (random tokens: the cost does not
+    depend on them)."""
+    if backend.rows:
+        raise SpecgraftError("the latency curve is measured on an idle engine (requests are in flight)")
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, min(vocab_size, 20000), (prefix + max(widths),), generator=gen)
+    backend.prefill(ids[:prefix])
+    out: dict[int, float] = {}
+    for w in (widths[0], *widths):  # the first width twice: warm-up
+        times = []
+        for _ in range(reps):
+            tree = Tree.chain(int(ids[prefix]), ids[prefix + 1: prefix + w].tolist())
+            start = time.perf_counter()
+            backend.verify(tree)
+            times.append(time.perf_counter() - start)
+            backend.truncate(prefix)
+        out[w] = statistics.median(times)
+    backend.reset()
+    return out
+
+
+def latency_curve(engine, widths=WIDTHS, prefix: int = 256, reps: int = 3, refresh: bool = False) -> dict[int, float]:
+    """The engine's curve: read from this machine's cache, else measured once and cached."""
+    path = curve_path(engine)
+    if path.exists() and not refresh:
+        return {int(k): v for k, v in json.loads(path.read_text())["seconds"].items()}
+    out = measure_curve(engine.backend, engine.vocab_size, widths, prefix, reps)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": engine_key(engine), "prefix": prefix, "seconds": out}, indent=1))
+    tmp.replace(path)
+    return out
+
+
+def interpolate(curve: dict[int, float], w: int) -> float:
+    xs = sorted(curve)
+    if w <= xs[0]:
+        return curve[xs[0]]
+    for a, b in zip(xs, xs[1:]):
+        if w <= b:
+            return curve[a] + (curve[b] - curve[a]) * (w - a) / (b - a)
+    a, b = xs[-2], xs[-1]  # extrapolate linearly beyond the last measurement
+    return curve[b] + (curve[b] - curve[a]) * (w - b) / (b - a)
