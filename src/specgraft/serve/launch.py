@@ -3,6 +3,7 @@ Shared by ``specgraft serve`` (one uvicorn process) and every Ray Serve replica 
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional
 
@@ -12,6 +13,21 @@ from ..errors import SpecgraftError
 from ..registry import check_options
 from .app import MAX_BODY_BYTES, Server
 from .options import DEFAULT_MAX_BUDGET, ClientPolicy
+
+
+# PyTorch's CPU matmuls (oneDNN, through ideep) keep a compiled kernel per matmul shape in two caches of 1,024
+# entries each (ideep's LRU_CACHE_CAPACITY, oneDNN's ONEDNN_PRIMITIVE_CACHE_CAPACITY). A server meets new shapes
+# all the time (rows x tree width x cached length in attention), so its resident memory grew by ~280 MB over 400
+# soak requests until those caches filled; 8 entries each keep the shapes that recur within a step, and the soak
+# ran no slower (docs/serving.md, "Memory under a soak"). A value the user set wins.
+KERNEL_CACHES = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+KERNEL_CACHE_ENTRIES = 8
+
+
+def bound_kernel_caches(environ=os.environ) -> dict[str, str]:
+    """Cap the CPU kernel caches for this process unless the user chose a size; must run before the process's
+    first CPU matmul (each library reads its variable once). Returns the capacities in effect."""
+    return {name: environ.setdefault(name, str(KERNEL_CACHE_ENTRIES)) for name in KERNEL_CACHES}
 
 
 def build_server(model: str, dtype: str, method: str, budget, opts: dict, name: Optional[str], max_num_seqs: int,
@@ -29,6 +45,7 @@ def build_server(model: str, dtype: str, method: str, budget, opts: dict, name: 
         raise SpecgraftError("--opt / --budget need an explicit --method (auto chooses its own)")
     if method != "auto":
         check_options(method, opts)
+    bound_kernel_caches()
     engine = Engine(model, dtype, cache_dir, backend=backend, device=device)
     auto = None
     if method == "auto":
