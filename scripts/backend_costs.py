@@ -6,6 +6,7 @@ fixed prefix, prefill time against prompt length, peak resident memory, and wher
     python scripts/backend_costs.py prefill --backend llamacpp --ubatch 512
     python scripts/backend_costs.py memory  --backend llamacpp        # run each backend in its own process
     python scripts/backend_costs.py profile                           # torch profiler, one transformers AR step
+    python scripts/backend_costs.py floor --dtype int4                # the weights' memory floor: one read of each
 
 Each prints one JSON line (and a table on stderr). Timings are medians of ``--reps`` after one warm-up; the
 prefix and prompts are token ids of a fixed text (no evaluation prompt).
@@ -129,9 +130,30 @@ def profile(args) -> dict:
             "ar_step_ms": round(wall * 1000, 1), "self_cpu_share": top}
 
 
+def floor(args) -> dict:
+    """The memory floor of one step: every weight tensor a step reads (the embedding table is only gathered from)
+    read once, in order, as 32-bit words (``max``: one pass, no arithmetic worth the name)."""
+    e = engine(args)
+    model = e.backend.model
+    embed = model.get_input_embeddings().weight
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t is not embed and t.numel() > 4096]
+    words = [t.detach().contiguous().view(-1).view(torch.uint8)[: t.numel() * t.element_size() // 4 * 4]
+             .view(torch.int32) for t in tensors]
+    total = sum(w.numel() * 4 for w in words)
+
+    def read():
+        for w in words:
+            w.max()
+
+    t = timed(read, args.reps)
+    print(f"{total / 1e9:.2f} GB of weights read in {t * 1000:.1f} ms: {total / t / 1e9:.1f} GB/s", file=sys.stderr)
+    return {"what": "floor_ms", "backend": "transformers", "dtype": e.dtype, "model": args.model,
+            "bytes": total, "ms": round(t * 1000, 1), "gb_s": round(total / t / 1e9, 1)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=("verify", "prefill", "memory", "profile"))
+    p.add_argument("what", choices=("verify", "prefill", "memory", "profile", "floor"))
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
     p.add_argument("--backend", default="transformers")
     p.add_argument("--dtype", default="bfloat16")
@@ -142,7 +164,8 @@ def main() -> None:
     p.add_argument("--ubatch", type=int, default=0)
     p.add_argument("--flash-attn", type=int, default=None)
     args = p.parse_args()
-    print(json.dumps({"verify": verify, "prefill": prefill, "memory": memory, "profile": profile}[args.what](args)))
+    print(json.dumps({"verify": verify, "prefill": prefill, "memory": memory, "profile": profile,
+                      "floor": floor}[args.what](args)))
 
 
 if __name__ == "__main__":

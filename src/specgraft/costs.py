@@ -21,7 +21,9 @@ from .env import amx_state, cpu_name
 from .errors import SpecgraftError
 from .models import cache_root
 
-WIDTHS = (1, 2, 4, 8, 12, 16, 20, 24, 32, 40, 48, 61, 64)
+# every width to 8 (llama.cpp's x86 GEMM starts at 4 rows, in blocks of 4; the int4 kernel's cost steps at 4 and 8),
+# then the tree sizes Graft and EAGLE use; between points the curve is interpolated
+WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 32, 40, 48, 61, 64)
 
 
 def machine_key(model: str, weights: str, device: str = "cpu", runtime: str | None = None) -> str:

@@ -135,3 +135,19 @@ def test_noise_pairs_and_spec_in_records(tmp_path, tiny_engine):
     by = {r["label"]: r for r in recs}
     assert by["pld"]["spec"] == by["pld#2"]["spec"] != by["ar"]["spec"]
     assert "dirty" in by["pld"]
+
+
+@pytest.mark.slow
+def test_methods_on_other_weights_run_in_the_same_interleaved_run(tmp_path):
+    """A method entry's ``dtype`` (or ``backend``) runs it on its own engine in the same run: records carry the
+    weights each ran on, and the spec names them only where they differ from the config's."""
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"id": "x", "prompt": "Say hi."}) + "\n")
+    cfg = BenchConfig(model="smollm2-135m", dtype="float32", max_new_tokens=4, warmup=0, datasets=[{"name": str(f)}],
+                      methods=[{"name": "ar"}, {"name": "ar", "label": "ar-bf16", "dtype": "bfloat16"}], score=False)
+    run_harness(cfg, str(tmp_path / "r.jsonl"), log=lambda m: None)
+    by = {r["label"]: r for r in read_records(tmp_path / "r.jsonl")[0]}
+    assert by["ar"]["dtype"] == "float32" and by["ar-bf16"]["dtype"] == "bfloat16"
+    assert "dtype" not in by["ar"]["spec"] and by["ar-bf16"]["spec"]["dtype"] == "bfloat16"
+    with pytest.raises(SpecgraftError, match="no option"):
+        expand_methods([{"name": "ar", "weights": "int4"}])

@@ -14,23 +14,45 @@ from ..errors import SpecgraftError
 _MODELS: dict[tuple, object] = {}  # loaded GGUF weights, shared by every context made from them
 
 
+INT4 = "int4"  # --dtype int4: the GGUF's own 4-bit codes through PyTorch's int4 kernel (backends/int4.py)
+
+
+def load_transformers(name_or_path: str, dtype: str, cache_dir, device: str):
+    """``(hf_model, tokenizer, weights)``: ``dtype`` float32 / bfloat16 / float16, or ``int4`` (a registry model's
+    GGUF 4-bit tensors kept as codes, bf16 activations and other tensors; CPU only)."""
+    from ..models import REGISTRY, gguf_file, load
+
+    if dtype != INT4:
+        model, tok = load(name_or_path, dtype, cache_dir, device)
+        return model, tok, str(next(model.parameters()).dtype).replace("torch.", "")
+    if device != "cpu":
+        raise SpecgraftError("--dtype int4 runs PyTorch's CPU int4 kernel; use --device cpu (or bfloat16 on a GPU)")
+    if name_or_path not in REGISTRY:
+        raise SpecgraftError(f"--dtype int4 reads the 4-bit codes from the model's GGUF: use one of "
+                             f"{', '.join(REGISTRY)} ('{name_or_path}' is not one)")
+    from .int4 import convert
+
+    model, tok = load(name_or_path, "bfloat16", cache_dir, device)
+    convert(model, gguf_file(name_or_path, cache_dir)[0])
+    return model, tok, INT4
+
+
 def transformers_backend(name_or_path: str, dtype: str = "float32", cache_dir: str | os.PathLike | None = None,
                          device: str = "cpu"):
     """``(TargetBackend, tokenizer)`` for a registry model or a local HF directory; draft models by name load
     with the same dtype, cache and device."""
     from ..core.backend import TargetBackend
-    from ..models import load
 
-    model, tok = load(name_or_path, dtype, cache_dir, device)
-    return TargetBackend(model, transformers_drafts(dtype, cache_dir, device)), tok
+    model, tok, weights = load_transformers(name_or_path, dtype, cache_dir, device)
+    return TargetBackend(model, transformers_drafts(dtype, cache_dir, device), weights=weights), tok
 
 
 def transformers_drafts(dtype: str, cache_dir, device: str):
     def load_draft(name: str):
         from ..core.backend import TargetBackend
-        from ..models import load
 
-        return TargetBackend(load(name, dtype, cache_dir, device)[0])
+        model, _, weights = load_transformers(name, dtype, cache_dir, device)
+        return TargetBackend(model, weights=weights)
 
     return load_draft
 

@@ -44,7 +44,7 @@ def generate(
                                "lossy:RULE:PARAM with RULE one of speccascade, typical, cos, lenience, interp, cap, "
                                "combined (docs/lossy.md); needs --temperature > 0."),
     max_new_tokens: int = typer.Option(128, help="Maximum number of generated tokens."),
-    dtype: str = typer.Option("bfloat16", help="float32 (exact reference) or bfloat16 (2-3x faster on CPU)."),
+    dtype: str = typer.Option("bfloat16", help="float32 (exact reference), bfloat16 (2-3x faster on CPU) or int4 (the GGUF's own 4-bit weights, CPU)."),
     budget: Optional[str] = typer.Option(None, help="Tree node budget (non-root nodes), or 'auto' (eagle/graft/"
                                          "prune: maximise expected tokens/s on this machine); default per method."),
     opt: list[str] = typer.Option([], help="Any method option as KEY=VALUE (repeatable), e.g. --opt drafter=draft-tree "

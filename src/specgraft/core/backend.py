@@ -45,7 +45,7 @@ class Capabilities:
     the backend's type (docs/design.md, "The Backend protocol")."""
 
     name: str  # "transformers", "llamacpp": in every record and message
-    weights: str  # the weights' format, in every record and cost-curve key: "float32", "bfloat16", "gguf"
+    weights: str  # the weights' format, in every record and cost-curve key: "float32", "bfloat16", "int4", "gguf"
     runtime: str  # what else a cost curve measured on it depends on: threads, library version
     device: str = "cpu"  # where its forwards run
     hidden_states: bool = False  # returns the hidden state entering chosen layers (EAGLE-3 heads, Graft on them)
@@ -185,7 +185,8 @@ class TargetBackend(RowLengths):
     models come from: ``specgraft.backends.transformers_backend``); without one, draft models must be passed
     loaded."""
 
-    def __init__(self, model: torch.nn.Module, draft_loader: DraftLoader | None = None):
+    def __init__(self, model: torch.nn.Module, draft_loader: DraftLoader | None = None, weights: str | None = None):
+        """``weights`` names a format the parameters' dtype does not show (``int4``: 4-bit codes in buffers)."""
         check_tree_support(model.config)
         self.model = model.eval()
         self.dtype = next(model.parameters()).dtype
@@ -200,7 +201,8 @@ class TargetBackend(RowLengths):
         # CPU, where the drafters, retrieval and verification run.
         self.device = next(model.parameters()).device
         fp32 = self.dtype == torch.float32
-        self.capabilities = Capabilities("transformers", str(self.dtype).replace("torch.", ""), torch_runtime(),
+        self.weights = weights or str(self.dtype).replace("torch.", "")
+        self.capabilities = Capabilities("transformers", self.weights, torch_runtime(),
                                          str(self.device), hidden_states=True, references=("hf_assisted",),
                                          tie_gap=1e-3 if fp32 else 0.5,
                                          tie_note=f"a tree forward and a one-token forward round differently in "
@@ -210,7 +212,7 @@ class TargetBackend(RowLengths):
 
     def clone(self) -> "TargetBackend":
         """An empty backend on the same weights (a drafter's own cache)."""
-        return TargetBackend(self.model, self.draft_loader)
+        return TargetBackend(self.model, self.draft_loader, self.weights)
 
     def draft_backend(self, model: str) -> "TargetBackend":
         if self.draft_loader is None:

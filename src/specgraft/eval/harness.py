@@ -38,19 +38,27 @@ class MethodSpec:
     options: dict = field(default_factory=dict, hash=False)  # the drafter's options (and budget)
     verify: str = "lossless"  # or an opt-in LOSSY rule "lossy:RULE:PARAM"
     sampling: dict = field(default_factory=dict, hash=False)  # per-method truncation sampling: min_p, eta
+    backend: str = ""  # where this method runs when not the config's backend (e.g. llama.cpp's AR beside int4)
+    dtype: str = ""  # and its weights when not the config's dtype
+
+    def engine_key(self, cfg: "BenchConfig") -> tuple[str, str]:
+        return (self.backend or cfg.backend, self.dtype or cfg.dtype)
 
     def params(self, base: SamplingParams) -> SamplingParams:
         return replace(base, **self.sampling) if self.sampling else base
 
     def describe(self) -> dict:
         """The configuration without its label: equal for two runs of one configuration (the noise pairs)."""
-        return {"method": self.method, "options": dict(sorted(self.options.items())), "verify": self.verify,
-                "sampling": dict(sorted(self.sampling.items()))}
+        out = {"method": self.method, "options": dict(sorted(self.options.items())), "verify": self.verify,
+               "sampling": dict(sorted(self.sampling.items()))}
+        return out | {k: v for k, v in (("backend", self.backend), ("dtype", self.dtype)) if v}
 
 
 # Keys a method entry may carry besides its drafter options: the verification rule and truncation sampling
-# (the correct baselines of the lossy truncation rules), and ``label`` (two entries of one configuration under
-# different labels measure the run's noise).
+# (the correct baselines of the lossy truncation rules), ``label`` (two entries of one configuration under
+# different labels measure the run's noise), and ``backend`` / ``dtype`` (a method on other weights or another
+# runtime in the same interleaved run: one engine each).
+ENGINE_KEYS = ("backend", "dtype")
 
 # The warm-up prompt: outside every dataset, so warming up never runs (or retrieves from) an evaluation prompt.
 WARMUP_PROMPT = "List four uses of a paperclip, one per line, then say which is the most surprising and why."
@@ -98,7 +106,7 @@ def expand_methods(entries: list[dict], add_ar: bool = True) -> list[MethodSpec]
     for entry in entries:
         entry = dict(entry)
         name = entry.pop("name", None)
-        check_options(name, entry, LOOP_KEYS)
+        check_options(name, entry, (*LOOP_KEYS, *ENGINE_KEYS))
         keys = sorted(entry)
         values = [v if isinstance(v, list) else [v] for v in (entry[k] for k in keys)]
         for combo in itertools.product(*values):
@@ -107,7 +115,8 @@ def expand_methods(entries: list[dict], add_ar: bool = True) -> list[MethodSpec]
             label = custom or name + (":" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else "")
             verify = opts.pop("verify", "lossless")
             samp = {k: opts.pop(k) for k in TRUNCATION_KEYS if k in opts}
-            specs.append(MethodSpec(label, name, opts, verify, samp))
+            where = {k: str(opts.pop(k)) for k in ENGINE_KEYS if k in opts}
+            specs.append(MethodSpec(label, name, opts, verify, samp, **where))
     if add_ar and not any(s.method == "ar" for s in specs):
         specs.insert(0, MethodSpec("ar", "ar", {}))
     labels = [s.label for s in specs]
@@ -263,9 +272,13 @@ def run_harness(cfg: BenchConfig, out_path: str, progress=None, log=print, engin
     complete, dropped = repair_for_resume(out_path) if Path(out_path).exists() else (set(), 0)
     if complete or dropped:
         log(f"resume: {len(complete)} conversations already recorded; {dropped} incomplete line(s) dropped")
-    engine = engine or Engine(cfg.model, cfg.dtype, backend=cfg.backend, device=cfg.device)
+    engines = {(cfg.backend, cfg.dtype): engine} if engine else {}
+    for key in dict.fromkeys(spec.engine_key(cfg) for spec in specs):  # one engine per (backend, weights)
+        if key not in engines:
+            engines[key] = Engine(cfg.model, key[1], backend=key[0], device=cfg.device)
     env = environment()
     for spec in specs:
+        engine = engines[spec.engine_key(cfg)]
         engine.drafter(spec.method, **spec.options)
         for _ in range(cfg.warmup):
             engine.generate(WARMUP_PROMPT, spec.method, sampling=spec.params(cfg.sampling(cfg.seeds[0])),
@@ -280,7 +293,7 @@ def run_harness(cfg: BenchConfig, out_path: str, progress=None, log=print, engin
                 if (dname, item.id, spec.label, seed) in complete:
                     skipped += 1
                 else:
-                    gens = run_conversation(engine, item, spec, sampling, cfg.max_new_tokens, stops[dname])
+                    gens = run_conversation(engines[spec.engine_key(cfg)], item, spec, sampling, cfg.max_new_tokens, stops[dname])
                     lines = [json.dumps(make_record(cfg, env, dname, item, spec, seed, t, gen,
                                                     score if cfg.score else None)) for t, gen in enumerate(gens)]
                     out.write("\n".join(lines) + "\n")
