@@ -13,7 +13,7 @@ PyTorch's CPU kernel (``torch._weight_int4pack_mm_for_cpu``, in PyTorch itself, 
 ``zero`` are rounded, to bf16, because the kernel takes them in the activations' dtype (bf16: its fp32 path is
 a slow reference loop, ~70x slower, measured). Every other tensor (Q6_K, Q8_0, embeddings, norms, biases) keeps
 the bf16 copy of its dequantised value. So an int4 model differs from the dequantised GGUF by about as much as
-the bf16 model does (``check`` measures it per layer); it is the user's weights, not a re-quantisation.
+the bf16 model does (``convert(..., reference)`` measures it per layer); it is the user's weights, not a re-quantisation.
 """
 
 from __future__ import annotations
@@ -44,19 +44,17 @@ def _nibbles_32(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
 
 
-def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K's 12 packed bytes per 256 -> eight 6-bit scales and eight 6-bit mins (llama.cpp's get_scale_min_k4)."""
-    s = scales.reshape(-1, 3, 4)
-    d, m, md = s[:, 0], s[:, 1], s[:, 2]
-    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=1)
-    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=1)
-    return sc.astype(np.float32), mn.astype(np.float32)
+def _zero(scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """The kernel's zero sits at code 8: ``(q - 8) * scale + zero = scale * q + offset``."""
+    return offset + 8.0 * scale
 
 
 def codes(type_name: str, raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """A GGUF tensor's bytes ``[n, row_bytes]`` -> ``(q [n, k] uint8 in 0..15, scale [n, k/32], offset [n, k/32])``
     with ``w = scale * q + offset`` per group of 32 (fp32, exactly the file's values); None for types that are
     not a 4-bit group-32 code."""
+    from gguf.quants import Q4_K  # its 6-bit scale/min unpacking, the library's own
+
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
     if type_name in ("Q4_0", "Q4_1"):
         size = 18 if type_name == "Q4_0" else 20
@@ -70,7 +68,7 @@ def codes(type_name: str, raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, 
     if type_name == "Q4_K":
         blocks = raw.reshape(-1, 144)  # d, dmin (fp16), 12 bytes of scales and mins, 128 bytes of codes
         d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-        sc, mn = _scale_min_k4(blocks[:, 4:16])
+        sc, mn = (a.astype(np.float32) for a in Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16])))
         qs = blocks[:, 16:].reshape(-1, 4, 32)  # four 32-byte chunks: low nibbles -> group 2i, high -> 2i+1
         q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 256)
         return q.reshape(n, k), (d[:, None] * sc).reshape(n, -1), (-dmin[:, None] * mn).reshape(n, -1)
@@ -83,7 +81,7 @@ class Int4Linear(torch.nn.Module):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = q.shape
-        zero = offset + 8.0 * scale  # the kernel's zero sits at code 8: (q - 8) * s + zero = s * q + offset
+        zero = _zero(scale, offset)
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), INNER_K_TILES))
         # [k/32, n, 2]: the kernel's layout of (scale, zero)
         self.register_buffer("scale_zero", torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous())
@@ -93,7 +91,7 @@ class Int4Linear(torch.nn.Module):
     def weight(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
         """The weight such a layer computes with, ``[n, k]`` fp32: the codes with bf16-rounded scale and zero."""
         s = scale.to(torch.bfloat16).float()
-        z = (offset + 8.0 * scale).to(torch.bfloat16).float()
+        z = _zero(scale, offset).to(torch.bfloat16).float()
         return ((q.float() - 8.0).reshape(*s.shape, GROUP) * s[..., None] + z[..., None]).reshape(q.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

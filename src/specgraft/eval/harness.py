@@ -293,7 +293,8 @@ def run_harness(cfg: BenchConfig, out_path: str, progress=None, log=print, engin
                 if (dname, item.id, spec.label, seed) in complete:
                     skipped += 1
                 else:
-                    gens = run_conversation(engines[spec.engine_key(cfg)], item, spec, sampling, cfg.max_new_tokens, stops[dname])
+                    gens = run_conversation(engines[spec.engine_key(cfg)], item, spec, sampling, cfg.max_new_tokens,
+                                            stops[dname])
                     lines = [json.dumps(make_record(cfg, env, dname, item, spec, seed, t, gen,
                                                     score if cfg.score else None)) for t, gen in enumerate(gens)]
                     out.write("\n".join(lines) + "\n")
