@@ -11,7 +11,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "specgraft"
 ALGORITHMS = ("core", "drafters", "eagle", "graft", "lossy", "backends")
-ABOVE = ("engine", "registry", "auto", "reference", "eval", "serve", "cli", "tools", "request", "costs")
+ABOVE = ("engine", "registry", "auto", "backend_choice", "reference", "eval", "serve", "cli", "tools", "request",
+         "costs")
 
 
 def imported(path: Path, root: Path = PACKAGE) -> set[str]:

@@ -21,9 +21,10 @@ from .env import amx_state, cpu_name
 from .errors import SpecgraftError
 from .models import cache_root
 
-# every width to 8 (llama.cpp's x86 GEMM starts at 4 rows, in blocks of 4; the int4 kernel's cost steps at 4 and 8),
-# then the tree sizes Graft and EAGLE use; between points the curve is interpolated
-WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 32, 40, 48, 61, 64)
+# every width a tree can have (Graft and EAGLE verify up to 60): costs step where kernels change blocking (llama.cpp's
+# x86 GEMM runs on blocks of 4 rows, PyTorch's int4 kernel at 4 and 8), so a budget must land on a measured width,
+# not an interpolated one. Beyond 64 the curve is extrapolated.
+WIDTHS = tuple(range(1, 65))
 
 
 def machine_key(model: str, weights: str, device: str = "cpu", runtime: str | None = None) -> str:
@@ -37,13 +38,21 @@ def machine_key(model: str, weights: str, device: str = "cpu", runtime: str | No
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in raw)[:200]
 
 
+def backend_key(model: str, capabilities) -> str:
+    """The cache key of a backend's curve for ``model`` (what it declares: weights, device, runtime)."""
+    return machine_key(model, capabilities.weights, capabilities.device, capabilities.runtime)
+
+
 def engine_key(engine) -> str:
-    caps = engine.capabilities
-    return machine_key(engine.model_name, caps.weights, caps.device, caps.runtime)
+    return backend_key(engine.model_name, engine.capabilities)
+
+
+def backend_curve_path(model: str, capabilities):
+    return cache_root() / "latency" / f"{backend_key(model, capabilities)}.json"
 
 
 def curve_path(engine):
-    return cache_root() / "latency" / f"{engine_key(engine)}.json"
+    return backend_curve_path(engine.model_name, engine.capabilities)
 
 
 def measure_curve(backend, vocab_size: int, widths=WIDTHS, prefix: int = 256, reps: int = 3) -> dict[int, float]:
@@ -68,17 +77,24 @@ def measure_curve(backend, vocab_size: int, widths=WIDTHS, prefix: int = 256, re
     return out
 
 
-def latency_curve(engine, widths=WIDTHS, prefix: int = 256, reps: int = 3, refresh: bool = False) -> dict[int, float]:
-    """The engine's curve: read from this machine's cache, else measured once and cached."""
-    path = curve_path(engine)
+def backend_curve(model: str, backend, widths=WIDTHS, prefix: int = 256, reps: int = 3,
+                  refresh: bool = False) -> dict[int, float]:
+    """A backend's curve for ``model``: read from this machine's cache, else measured once and cached."""
+    path = backend_curve_path(model, backend.capabilities)
     if path.exists() and not refresh:
         return {int(k): v for k, v in json.loads(path.read_text())["seconds"].items()}
-    out = measure_curve(engine.backend, engine.vocab_size, widths, prefix, reps)
+    out = measure_curve(backend, backend.vocab_size, widths, prefix, reps)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": engine_key(engine), "prefix": prefix, "seconds": out}, indent=1))
+    tmp.write_text(json.dumps({"key": backend_key(model, backend.capabilities), "prefix": prefix, "seconds": out},
+                              indent=1))
     tmp.replace(path)
     return out
+
+
+def latency_curve(engine, widths=WIDTHS, prefix: int = 256, reps: int = 3, refresh: bool = False) -> dict[int, float]:
+    """The engine's curve: read from this machine's cache, else measured once and cached."""
+    return backend_curve(engine.model_name, engine.backend, widths, prefix, reps, refresh)
 
 
 def interpolate(curve: dict[int, float], w: int) -> float:

@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 import torch
 
 from .auto import auto_budget
+from .backend_choice import AUTO, choose_backend
 from .backends import open_backend, transformers_drafts
 from .core.backend import Backend, Capabilities, TargetBackend
 from .core.drafter import DraftContext, Drafter, last_occurrences
@@ -51,6 +52,11 @@ class Engine:
         ``device`` (transformers): cpu, cuda or auto; the target and a draft model run there, the drafters'
         bookkeeping, EAGLE heads and verification on the CPU."""
         device = resolve_device(device)  # a bad device fails before any model loads
+        if backend == AUTO:  # the backend and weights predicted fastest here (backend_choice.py)
+            choice, opened = choose_backend(model, dtype, cache_dir, device)
+            self._setup(*opened, model)
+            self.backend_choice = choice
+            return
         self._setup(*open_backend(backend, model, dtype, cache_dir, device), model)
 
     @classmethod
@@ -71,6 +77,7 @@ class Engine:
 
     def _setup(self, backend: Backend, tok, name: str) -> None:
         self.backend = backend
+        self.backend_choice = None  # --backend auto's choice and its table, when it chose
         self.tokenizer, self.model_name = tok, name
         self.vocab_size = backend.vocab_size
         tok_eos = getattr(tok, "eos_token_id", None)

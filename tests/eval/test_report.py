@@ -10,7 +10,7 @@ import pytest
 
 from specgraft.eval import report_stats as rs
 from specgraft.errors import SpecgraftError
-from specgraft.eval.report import Report, exactness, markdown
+from specgraft.eval.report import Report, exactness, markdown, unchecked
 
 
 def make_record(label, prompt_id, *, tok_s=10.0, mat=1.0, tokens=100, turn=0, n_turns=1, seed=0, dataset="ds",
@@ -51,10 +51,11 @@ def make_run(n_prompts, speedups, *, noise=0.0, seed=0, **kw):
 
 def report_of(recs):
     labels = list(dict.fromkeys(r["label"] for r in recs))
-    labels.remove("ar")
-    labels.insert(0, "ar")
+    if "ar" in labels:
+        labels.remove("ar")
+        labels.insert(0, "ar")
     mm, missing = exactness(recs, labels)
-    return Report(recs, [], labels, mm, missing)
+    return Report(recs, [], labels, mm, missing, unchecked(recs, labels))
 
 
 def test_interval_contains_point_and_shrinks_with_more_prompts():
@@ -195,3 +196,36 @@ def test_cli_reference_and_goals(tmp_path):
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
         assert not r.stdout.strip()
+
+
+def per_backend_run(diverge: str):
+    """Two ARs (one per backend) and a method on each; ``diverge`` names the method whose output differs."""
+    recs = []
+    for i in range(4):
+        for label, backend, dtype in (("llama-ar", "llamacpp", "gguf"), ("llama-pld", "llamacpp", "gguf"),
+                                      ("int4-ar", "transformers", "int4"), ("int4-pld", "transformers", "int4")):
+            r = make_record(label, i)
+            r.update(method=label.split("-")[1], backend=backend, dtype=dtype)
+            if label == diverge and i == 2:
+                r["output_ids"] = r["output_ids"][:7] + [999] + r["output_ids"][8:]
+            recs.append(r)
+    return recs
+
+
+@pytest.mark.parametrize("diverge", ["int4-pld", "llama-pld"])
+def test_each_method_is_checked_against_the_ar_of_its_own_backend(diverge):
+    rep = report_of(per_backend_run(diverge))
+    assert rep.mismatches == {diverge: [(("ds", "2", 0, 0), 7)]} and rep.unchecked == []
+    md = markdown(rep)
+    assert f"- {diverge} vs {diverge.split('-')[0]}-ar: 1 of 4 differ (first divergence at tokens [7])" in md
+    other = "llama-pld" if diverge == "int4-pld" else "int4-pld"
+    assert f"- {other} vs {other.split('-')[0]}-ar: identical" in md
+
+
+def test_a_method_without_an_ar_on_its_weights_is_not_checked_never_identical():
+    recs = [r for r in per_backend_run("int4-pld") if r["label"] != "int4-ar"]
+    rep = report_of(recs)
+    assert rep.unchecked == ["int4-pld"] and "int4-pld" not in rep.mismatches
+    md = markdown(rep)
+    assert "- int4-pld: not checked (no AR ran on its backend and weights)" in md
+    assert "int4-pld vs" not in md and "- int4-pld: identical" not in md

@@ -62,8 +62,10 @@ def generate(
                                        "default: the head shipped for --model."),
     eagle_top_k: Optional[int] = typer.Option(None, help="eagle: children per expanded node (EAGLE's top_k)."),
     eagle_depth: Optional[int] = typer.Option(None, help="eagle: expansion levels after the first (EAGLE's depth)."),
-    backend: str = typer.Option("transformers", help="transformers (the HF model, --dtype) or llamacpp (the GGUF "
-                                "itself on llama.cpp: needs specgraft[llamacpp]; --dtype is ignored; no EAGLE)."),
+    backend: str = typer.Option("transformers", help="transformers (the HF model, --dtype), llamacpp (the GGUF "
+                                "itself on llama.cpp: needs specgraft[llamacpp]; --dtype is ignored; no EAGLE) or auto "
+                                "(the backend and weights predicted fastest on this machine: llama.cpp, transformers "
+                                "int4 or transformers --dtype; says which and why)."),
     device: str = typer.Option("cpu", help="cpu, cuda or auto (transformers backend): where the target and a draft "
                                "model run; drafting bookkeeping, EAGLE heads and verification stay on the CPU."),
     cache_dir: Optional[str] = typer.Option(None, help="Where converted models live (default: user cache)."),
@@ -84,13 +86,15 @@ def generate(
     opts, budget, rule = _check_request(method, compare, sampling, flags, opts, opt, budget, verify)
     quiet_transformers()
     engine = Engine(model, dtype, cache_dir, backend=backend, device=device)
+    if engine.backend_choice is not None:
+        print(f"backend auto: {engine.backend_choice.describe()} — {engine.backend_choice.reason}", file=sys.stderr)
     method, budget, opts, choice, stream = _open_stream(engine, prompt, method, budget, opts, sampling,
                                                         max_new_tokens, tuple(stop), chat, rule)
     if compare:
         run_compare(engine, prompt, method, budget, opts, choice, as_json, sampling, max_new_tokens, tuple(stop),
                     chat, rule)
         return
-    _print_reply(stream, choice, as_json)
+    _print_reply(stream, choice, as_json, engine.backend_choice)
 
 
 def _check_request(method: str, compare: bool, sampling, flags: dict, opts: dict, opt: list[str], budget, verify: str):
@@ -140,15 +144,17 @@ def _open_stream(engine, prompt: str, method: str, budget, opts: dict, sampling,
     return method, budget, opts, choice, stream
 
 
-def _print_reply(stream, choice, as_json: bool) -> None:
+def _print_reply(stream, choice, as_json: bool, backend_choice=None) -> None:
     """The text as it is generated, then the statistics line on stderr; or, with --json, one record (with auto's
-    choice in its config) once the reply is complete."""
+    choices in its config) once the reply is complete."""
     if as_json:
         for _ in stream:
             pass
         record = stream.result.to_record()
         if choice is not None:
             record["config"]["auto"] = choice.to_dict()
+        if backend_choice is not None:
+            record["config"]["backend_auto"] = backend_choice.to_dict()
         print(json.dumps(record))
         return
     for piece in stream:

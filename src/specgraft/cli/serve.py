@@ -20,7 +20,8 @@ def serve(
     budget: Optional[str] = typer.Option(None, help="Default tree budget (or 'auto')."),
     opt: list[str] = typer.Option([], help="Default method option KEY=VALUE (repeatable)."),
     dtype: str = typer.Option("bfloat16", help="float32 (exact reference), bfloat16 (2-3x faster on CPU) or int4 (the GGUF's own 4-bit weights, CPU)."),
-    backend: str = typer.Option("transformers", help="transformers or llamacpp (the GGUF on llama.cpp; no EAGLE)."),
+    backend: str = typer.Option("transformers", help="transformers, llamacpp (the GGUF on llama.cpp; no EAGLE) or "
+                                "auto (the backend and weights predicted fastest here for one request at a time)."),
     device: str = typer.Option("cpu", help="cpu, cuda or auto (transformers backend): where the target and a draft "
                                "model run; drafting bookkeeping, EAGLE heads and verification stay on the CPU."),
     host: str = typer.Option("127.0.0.1"),

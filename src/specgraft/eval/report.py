@@ -8,7 +8,7 @@ MAT includes the bonus token (AR = 1). Intervals, goals, measured noise and prov
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import report_stats as rs
@@ -35,6 +35,7 @@ class Report:
     labels: list[str]
     mismatches: dict  # label -> list of (key, first differing index)
     missing: list[str]
+    unchecked: list[str] = field(default_factory=list)  # greedy lossless labels with no AR on their weights
 
     @property
     def ok(self) -> bool:
@@ -55,23 +56,46 @@ def load(paths: list[str]) -> Report:
         labels.remove("ar")
         labels.insert(0, "ar")
     mismatches, missing = exactness(records, labels)
-    return Report(records, problems, labels, mismatches, missing)
+    return Report(records, problems, labels, mismatches, missing, unchecked(records, labels))
+
+
+def _engine(r: dict) -> tuple:
+    """The weights a record ran on: its AR reference must share them."""
+    return r.get("backend", "transformers"), r.get("dtype")
+
+
+def ar_references(records: list[dict], labels: list[str]) -> dict[str, str | None]:
+    """Label -> the AR label its greedy output is checked against: the first AR label (``ar`` first) that ran on
+    the same backend and weights, which for that AR label is itself (it is the reference); None when no AR ran
+    on them (a run may hold one AR per backend)."""
+    engines = {r["label"]: _engine(r) for r in records}
+    ars = [label for label in labels if any(r["label"] == label and r["method"] == "ar" for r in records)]
+    ars.sort(key=lambda label: label != "ar")
+    return {label: next((a for a in ars if engines.get(a) == engines.get(label)), None) for label in labels}
+
+
+def unchecked(records: list[dict], labels: list[str]) -> list[str]:
+    """Greedy lossless labels with no AR on their backend and weights: their outputs were not checked."""
+    refs = ar_references(records, labels)
+    return [label for label in labels if refs[label] is None
+            and any(r["label"] == label and r["greedy"] and not r.get("lossy") for r in records)]
 
 
 def exactness(records: list[dict], labels: list[str]) -> tuple[dict, list[str]]:
-    """Greedy, lossless records must equal AR's token ids on the same key; every key needs every label."""
+    """Greedy, lossless records must equal their AR reference's token ids on the same key (``ar_references``);
+    every key needs every label."""
     by = {(r["label"], _key(r)): r for r in records}
     keys = sorted({_key(r) for r in records}, key=str)
+    refs = ar_references(records, labels)
     mismatches: dict = defaultdict(list)
     missing = []
     for k in keys:
         for label in labels:
             if (label, k) not in by:
                 missing.append(f"{label} has no record for {k}")
-        ar = by.get(("ar", k))
-        for label in labels[1:]:
-            r = by.get((label, k))
-            if ar is None or r is None or not r["greedy"] or r.get("lossy"):
+        for label in labels:
+            r, ar = by.get((label, k)), by.get((refs[label], k))
+            if ar is None or r is None or refs[label] == label or not r["greedy"] or r.get("lossy"):
                 continue
             if r["output_ids"] != ar["output_ids"]:
                 first = next((i for i, (a, b) in enumerate(zip(ar["output_ids"], r["output_ids"])) if a != b),
@@ -189,17 +213,24 @@ def markdown(rep: Report, command: str | None = None, reference: str | None = No
     lines += rs.prompt_table(pp, rep.labels)
     lines += _graft_table(recs, rep.labels)
     lines += rs.calibration_lines(recs, rep.labels)
-    lines += ["", "## Exactness (greedy outputs vs AR, by token ids)", ""]
+    lines += ["", "## Exactness (greedy outputs vs the AR of the same backend and weights, by token ids)", ""]
     dtypes = {r["dtype"] for r in recs}
-    for label in rep.labels[1:]:
+    refs = ar_references(recs, rep.labels)
+    for label in rep.labels:
+        if refs[label] == label:
+            continue  # an AR reference itself
+        if refs[label] is None:
+            lines.append(f"- {label}: not checked (no AR ran on its backend and weights)")
+            continue
         mm = rep.mismatches.get(label, [])
         n = sum(1 for r in recs if r["label"] == label)
         verdict = "identical" if not mm else f"{len(mm)} of {n} differ (first divergence at tokens " \
                                              f"{sorted(i for _, i in mm)[:10]})"
-        lines.append(f"- {label}: {verdict}")
+        lines.append(f"- {label} vs {refs[label]}: {verdict}")
     if any(rep.mismatches.values()) and dtypes - {"float32", "fp32"}:
-        lines.append("- Divergences in bf16/fp16 are expected at near-ties of the target logits (a tree forward "
-                     "and a one-token forward round differently); exactness is established in fp32.")
+        lines.append("- Divergences in bf16/fp16/int4 are expected at near-ties of the target logits (a tree forward "
+                     "and a one-token forward round differently), and on llama.cpp (`gguf`) at its quantised "
+                     "kernels' batch-shape noise (docs/backends.md); exactness is established in fp32.")
     for p in rep.problems + rep.missing:
         lines.append(f"- FAIL: {p}")
     return "\n".join(lines) + "\n"

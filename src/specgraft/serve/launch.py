@@ -47,6 +47,8 @@ def build_server(model: str, dtype: str, method: str, budget, opts: dict, name: 
         check_options(method, opts)
     bound_kernel_caches()
     engine = Engine(model, dtype, cache_dir, backend=backend, device=device)
+    if engine.backend_choice is not None:
+        print(f"backend auto: {engine.backend_choice.describe()} — {engine.backend_choice.reason}", file=sys.stderr)
     auto = None
     if method == "auto":
         choice = choose_method(engine)

@@ -1,0 +1,179 @@
+"""``--backend auto``: the backend and weight format predicted fastest for this model on this machine.
+
+The candidates all run the user's model file:
+
+    llamacpp / gguf          the GGUF itself on llama.cpp (needs specgraft[llamacpp]; a registry model or a .gguf)
+    transformers / int4      the GGUF's own 4-bit codes through PyTorch's int4 kernel (registry models, CPU)
+    transformers / --dtype   the dequantised model in the requested dtype (registry models, HF directories)
+
+Each is scored by the tokens/s of its best lossless method, predicted by ``--method auto``'s model
+(``auto.decide``: the backend's measured cost curve, cached per machine, and the shipped calibrations), and the
+fastest wins. The prediction is for one request at a time. A missing curve is measured once, each candidate loaded
+in turn and freed; the decision is cached next to the curves and recomputed when a curve or calibration changes.
+Lossless holds on whichever wins: its output equals AR of the weights it runs (docs/backends.md).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .auto import candidates, decide
+from .backends import INT4, open_backend
+from .core.backend import torch_runtime
+from .costs import backend_curve, backend_curve_path, machine_key
+from .errors import SpecgraftError
+from .graft.calibration import Calibration
+from .models import REGISTRY, cache_root
+
+AUTO = "auto"
+VERSION = 1  # bump when the scoring changes: cached decisions of older versions are recomputed
+
+
+@dataclass(frozen=True)
+class Option:
+    backend: str  # an ``open_backend`` kind
+    dtype: str  # what ``open_backend`` takes (llama.cpp ignores it: it runs the GGUF's own types)
+
+
+@dataclass
+class BackendChoice:
+    backend: str
+    dtype: str
+    weights: str  # the winner's ``Capabilities.weights``
+    reason: str
+    table: list[dict] = field(default_factory=list)  # one row per candidate, fastest first
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        return f"{self.backend} ({self.weights})"
+
+
+def options(model: str, dtype: str, device: str, llama_cpp_installed: bool | None = None) -> list[Option]:
+    """The (backend, weights) pairs that can run ``model`` here."""
+    if llama_cpp_installed is None:
+        llama_cpp_installed = importlib.util.find_spec("llama_cpp") is not None
+    gguf_file = model.endswith(".gguf")
+    out = []
+    if device == "cpu" and llama_cpp_installed and (model in REGISTRY or gguf_file):
+        out.append(Option("llamacpp", dtype))
+    if device == "cpu" and model in REGISTRY:
+        out.append(Option("transformers", INT4))
+    if not gguf_file and dtype != INT4:
+        out.append(Option("transformers", dtype))
+    if not out:
+        raise SpecgraftError(f"--backend auto: no backend can run '{model}' with --dtype {dtype} on {device}")
+    return out
+
+
+def score(model: str, backend) -> dict:
+    """One candidate's row: its curve's AR speed and its best lossless method's predicted speed."""
+    caps = backend.capabilities
+    curve = backend_curve(model, backend)
+    found = [(c, Calibration.load(p)) for c, p in candidates(model, caps.hidden_states)]
+    choice = decide(model, curve, found)
+    rows = [r for r in choice.table if r["method"] == choice.method and r["options"] == choice.options]
+    row = rows[0] if choice.method != "ar" else choice.table[0]
+    return {"backend": caps.name, "label": caps.shown, "weights": caps.weights, "method": choice.method,
+            "options": dict(choice.options), "budget": choice.budget, "tokens_per_s": row["tokens_per_s"],
+            "ar_tokens_per_s": choice.table[0]["tokens_per_s"], "curve": str(backend_curve_path(model, caps))}
+
+
+def pick(rows: list[dict]) -> tuple[dict, str]:
+    """The fastest row and why (pure: the tests drive it with made-up rows)."""
+    ranked = sorted(rows, key=lambda r: -r["tokens_per_s"])
+    best = ranked[0]
+
+    def said(r: dict) -> str:
+        opts = "".join(f" {k}={v}" for k, v in r["options"].items())
+        how = "AR" if r["method"] == "ar" else f"{r['method']}{opts} budget {r['budget']}"
+        return f"{r['label']} {r['weights']}: {r['tokens_per_s']:.1f} tok/s ({how})"
+
+    others = "; ".join(said(r) for r in ranked[1:]) or "no other backend can run this model here"
+    return best, (f"predicted {said(best)}; {others}. From this machine's measured cost curves and the shipped "
+                  "calibrations, for one request at a time")
+
+
+def _stamp(path: Path):
+    return [path.stat().st_size, path.stat().st_mtime_ns] if path.exists() else None
+
+
+def _decision_path(model: str, dtype: str, device: str) -> Path:
+    llama = "none"
+    if importlib.util.find_spec("llama_cpp") is not None:
+        import importlib.metadata as md
+
+        llama = md.version("llama_cpp_python")
+    return cache_root() / "latency" / f"{machine_key(model, f'auto-{dtype}', device, f'{torch_runtime()}|llama_cpp={llama}')}.backend.json"
+
+
+def _fingerprint(rows: list[dict], model: str) -> dict:
+    """What a decision depends on: the candidates' curve files and every calibration they could be scored with."""
+    cals = [p / "calibration.json" for _, p in candidates(model, hidden_states=True)]
+    return {"version": VERSION, "curves": {r["curve"]: _stamp(Path(r["curve"])) for r in rows},
+            "calibrations": {str(p): _stamp(p) for p in cals}}
+
+
+def _cached(path: Path, model: str, opts: list[Option]) -> BackendChoice | None:
+    try:
+        body = json.loads(path.read_text())
+        choice = BackendChoice(**body["choice"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent or damaged: recomputed
+    if body.get("options") != [asdict(o) for o in opts]:
+        return None
+    if body.get("fingerprint") != _fingerprint(choice.table, model):
+        return None
+    return choice
+
+
+def _progress(message: str) -> None:
+    print(f"specgraft: {message}", file=sys.stderr, flush=True)
+
+
+def choose_backend(model: str, dtype: str, cache_dir=None, device: str = "cpu", log=_progress):
+    """``(BackendChoice, (backend, tokenizer))``: the winner, opened. Candidates that fail to open are left out
+    (said in the reason); if none opens, the first error is raised."""
+    opts = options(model, dtype, device)
+    path = _decision_path(model, dtype, device)
+    choice = _cached(path, model, opts)
+    if choice is not None:
+        return choice, open_backend(choice.backend, model, choice.dtype, cache_dir, device)
+    rows, errors, last = [], [], None
+    for opt in opts:
+        last = opened = None
+        gc.collect()  # the previous candidate's weights go before the next one loads
+        try:
+            if log:
+                weights = opt.dtype if opt.backend == "transformers" else "gguf"
+                log(f"--backend auto: scoring {opt.backend} ({weights}); a missing cost curve is measured once")
+            opened = open_backend(opt.backend, model, opt.dtype, cache_dir, device)
+        except SpecgraftError as err:
+            errors.append((opt, err))
+            continue
+        rows.append({**score(model, opened[0]), "dtype": opt.dtype})
+        last = (opt, opened)
+    if not rows:
+        raise errors[0][1]
+    best, reason = pick(rows)
+    reason += "".join(f"; {o.backend} ({o.dtype}) left out: {err}" for o, err in errors)
+    winner = next(o for o in opts if o.backend == best["backend"] and o.dtype == best["dtype"])
+    choice = BackendChoice(winner.backend, winner.dtype, best["weights"], reason,
+                           sorted(rows, key=lambda r: -r["tokens_per_s"]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"options": [asdict(o) for o in opts],
+                               "fingerprint": _fingerprint(choice.table, model),
+                               "choice": choice.to_dict()}, indent=1))
+    tmp.replace(path)
+    if last is not None and last[0] == winner:
+        return choice, last[1]
+    last = opened = None
+    gc.collect()
+    return choice, open_backend(winner.backend, model, winner.dtype, cache_dir, device)
