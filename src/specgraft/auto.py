@@ -18,7 +18,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .costs import curve_path, engine_key, interpolate, latency_curve, machine_key  # noqa: F401 -- machine_key re-exported
+from .costs import (curve_path, engine_key, file_stamp, interpolate, latency_curve,  # noqa: F401 -- machine_key
+                    machine_key, write_json)  # re-exported
 from .errors import SpecgraftError
 from .graft.calibration import Calibration, below, expected_mat, gate_pass_share  # noqa: F401 -- below re-exported
 from .models import REGISTRY, cache_root, package_file
@@ -172,10 +173,9 @@ def _cache_path(engine) -> Path:
 
 def _fingerprint(engine, paths: list[Path]) -> dict:
     """What a cached choice depends on: the curve file and the calibrations (size, mtime)."""
-    stamp = lambda p: [p.stat().st_size, p.stat().st_mtime_ns] if p.exists() else None  # noqa: E731
     curve = curve_path(engine)
-    return {"version": VERSION, "curve": stamp(curve), "calibrations": {str(p): stamp(p / "calibration.json")
-                                                                         for p in paths}}
+    return {"version": VERSION, "curve": file_stamp(curve),
+            "calibrations": {str(p): file_stamp(p / "calibration.json") for p in paths}}
 
 
 def choose_method(engine) -> AutoChoice:
@@ -194,11 +194,7 @@ def choose_method(engine) -> AutoChoice:
             pass  # a damaged cache file is recomputed
     curve = latency_curve(engine)
     choice = decide(engine.model_name, curve, [(c, Calibration.load(p)) for c, p in found])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"fingerprint": _fingerprint(engine, [p for _, p in found]),
-                               "choice": choice.to_dict()}, indent=1))
-    tmp.replace(path)
+    write_json(path, {"fingerprint": _fingerprint(engine, [p for _, p in found]), "choice": choice.to_dict()})
     return choice
 
 

@@ -9,7 +9,8 @@ The candidates all run the user's model file:
 Each is scored by the tokens/s of its best lossless method, predicted by ``--method auto``'s model
 (``auto.decide``: the backend's measured cost curve, cached per machine, and the shipped calibrations), and the
 fastest wins. The prediction is for one request at a time. A missing curve is measured once, each candidate loaded
-in turn and freed; the decision is cached next to the curves and recomputed when a curve or calibration changes.
+in turn (the fastest so far stays open, so the winner is not loaded twice; the others are freed); the decision is
+cached next to the curves and recomputed when a curve or calibration changes.
 Lossless holds on whichever wins: its output equals AR of the weights it runs (docs/backends.md).
 """
 
@@ -25,7 +26,7 @@ from pathlib import Path
 from .auto import candidates, decide
 from .backends import INT4, open_backend
 from .core.backend import torch_runtime
-from .costs import backend_curve, backend_curve_path, machine_key
+from .costs import backend_curve, backend_curve_path, file_stamp, machine_key, write_json
 from .errors import SpecgraftError
 from .graft.calibration import Calibration
 from .models import REGISTRY, cache_root
@@ -100,24 +101,21 @@ def pick(rows: list[dict]) -> tuple[dict, str]:
                   "calibrations, for one request at a time")
 
 
-def _stamp(path: Path):
-    return [path.stat().st_size, path.stat().st_mtime_ns] if path.exists() else None
-
-
 def _decision_path(model: str, dtype: str, device: str) -> Path:
     llama = "none"
     if importlib.util.find_spec("llama_cpp") is not None:
         import importlib.metadata as md
 
         llama = md.version("llama_cpp_python")
-    return cache_root() / "latency" / f"{machine_key(model, f'auto-{dtype}', device, f'{torch_runtime()}|llama_cpp={llama}')}.backend.json"
+    key = machine_key(model, f"auto-{dtype}", device, f"{torch_runtime()}|llama_cpp={llama}")
+    return cache_root() / "latency" / f"{key}.backend.json"
 
 
 def _fingerprint(rows: list[dict], model: str) -> dict:
     """What a decision depends on: the candidates' curve files and every calibration they could be scored with."""
     cals = [p / "calibration.json" for _, p in candidates(model, hidden_states=True)]
-    return {"version": VERSION, "curves": {r["curve"]: _stamp(Path(r["curve"])) for r in rows},
-            "calibrations": {str(p): _stamp(p) for p in cals}}
+    return {"version": VERSION, "curves": {r["curve"]: file_stamp(Path(r["curve"])) for r in rows},
+            "calibrations": {str(p): file_stamp(p) for p in cals}}
 
 
 def _cached(path: Path, model: str, opts: list[Option]) -> BackendChoice | None:
@@ -145,10 +143,10 @@ def choose_backend(model: str, dtype: str, cache_dir=None, device: str = "cpu", 
     choice = _cached(path, model, opts)
     if choice is not None:
         return choice, open_backend(choice.backend, model, choice.dtype, cache_dir, device)
-    rows, errors, last = [], [], None
+    rows, errors, fastest = [], [], None  # fastest: (tokens/s, option, opened), kept open so it is not loaded twice
     for opt in opts:
-        last = opened = None
-        gc.collect()  # the previous candidate's weights go before the next one loads
+        opened = None
+        gc.collect()  # a slower candidate's weights go before the next one loads
         try:
             if log:
                 weights = opt.dtype if opt.backend == "transformers" else "gguf"
@@ -158,22 +156,16 @@ def choose_backend(model: str, dtype: str, cache_dir=None, device: str = "cpu", 
             errors.append((opt, err))
             continue
         rows.append({**score(model, opened[0]), "dtype": opt.dtype})
-        last = (opt, opened)
+        if fastest is None or rows[-1]["tokens_per_s"] > fastest[0]:
+            fastest = (rows[-1]["tokens_per_s"], opt, opened)
     if not rows:
         raise errors[0][1]
     best, reason = pick(rows)
     reason += "".join(f"; {o.backend} ({o.dtype}) left out: {err}" for o, err in errors)
-    winner = next(o for o in opts if o.backend == best["backend"] and o.dtype == best["dtype"])
+    winner = fastest[1]
+    assert (winner.backend, winner.dtype) == (best["backend"], best["dtype"])  # pick and the scan agree on ties
     choice = BackendChoice(winner.backend, winner.dtype, best["weights"], reason,
                            sorted(rows, key=lambda r: -r["tokens_per_s"]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"options": [asdict(o) for o in opts],
-                               "fingerprint": _fingerprint(choice.table, model),
-                               "choice": choice.to_dict()}, indent=1))
-    tmp.replace(path)
-    if last is not None and last[0] == winner:
-        return choice, last[1]
-    last = opened = None
-    gc.collect()
-    return choice, open_backend(winner.backend, model, winner.dtype, cache_dir, device)
+    write_json(path, {"options": [asdict(o) for o in opts], "fingerprint": _fingerprint(choice.table, model),
+                      "choice": choice.to_dict()})
+    return choice, fastest[2]

@@ -38,6 +38,19 @@ def machine_key(model: str, weights: str, device: str = "cpu", runtime: str | No
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in raw)[:200]
 
 
+def file_stamp(path) -> list[int] | None:
+    """What a cached decision records of a file it depends on (size, mtime), None when absent."""
+    return [path.stat().st_size, path.stat().st_mtime_ns] if path.exists() else None
+
+
+def write_json(path, body: dict) -> None:
+    """Write a cache file whole or not at all (a temporary file renamed over it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(body, indent=1))
+    tmp.replace(path)
+
+
 def backend_key(model: str, capabilities) -> str:
     """The cache key of a backend's curve for ``model`` (what it declares: weights, device, runtime)."""
     return machine_key(model, capabilities.weights, capabilities.device, capabilities.runtime)
@@ -84,11 +97,7 @@ def backend_curve(model: str, backend, widths=WIDTHS, prefix: int = 256, reps: i
     if path.exists() and not refresh:
         return {int(k): v for k, v in json.loads(path.read_text())["seconds"].items()}
     out = measure_curve(backend, backend.vocab_size, widths, prefix, reps)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": backend_key(model, backend.capabilities), "prefix": prefix, "seconds": out},
-                              indent=1))
-    tmp.replace(path)
+    write_json(path, {"key": backend_key(model, backend.capabilities), "prefix": prefix, "seconds": out})
     return out
 
 

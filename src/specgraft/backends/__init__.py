@@ -89,5 +89,5 @@ BACKENDS = tuple(OPENERS)
 def open_backend(kind: str, name_or_path: str, dtype: str = "float32", cache_dir=None, device: str = "cpu"):
     """``(Backend, tokenizer)`` of backend ``kind`` for a model."""
     if kind not in OPENERS:
-        raise SpecgraftError(f"unknown backend '{kind}'; choose one of: {', '.join(BACKENDS)}")
+        raise SpecgraftError(f"unknown backend '{kind}'; choose one of: {', '.join(BACKENDS)}, or auto")
     return OPENERS[kind](name_or_path, dtype, cache_dir, device)
