@@ -160,11 +160,7 @@ def test_extend_sees_its_ancestors_and_truncate_drops_speculation(engine):
     assert torch.allclose(got, single_steps(engine, PROMPT + [900], len(PROMPT))[0], atol=1e-4)
 
 
-def test_hidden_states_and_eagle_refused(engine):
-    with pytest.raises(SpecgraftError, match="hidden states"):
-        engine.backend.verify_batch([], hidden_layers=(1,))
-    with pytest.raises(SpecgraftError, match="llama.cpp backend"):
-        engine.generate("hi", "eagle")
+def test_transformers_reference_refused(engine):
     with pytest.raises(SpecgraftError, match="backend transformers"):
         engine.generate("hi", "hf_assisted")
 

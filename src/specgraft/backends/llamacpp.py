@@ -32,8 +32,8 @@ Rows (requests) each own a home and a ballast sequence; the borrowed ids of a st
 ``LLAMA_MAX_SEQ`` = 256 (one kept for the graveyard, two held by each row): the leaves of all trees of one step,
 less one per tree, must fit in what is free. Limits (tree size, ids, KV cells) are checked before a step touches
 the cache; a step whose trees exceed ``n_batch`` tokens is split by rows into consecutive decodes. When the cache
-runs short, ballast and graveyard are freed first. Hidden states are not
-exposed (EAGLE heads stay on the transformers backend; docs/backends.md says why).
+runs short, ballast and graveyard are freed first. Hidden states (EAGLE-3 features) come from
+``llamacpp_features``: the input of chosen layers at every token of a decode.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ import torch
 from ..core.backend import Capabilities, RowLengths, VerifyOutput
 from ..core.tree import Tree
 from ..errors import SpecgraftError
+from .llamacpp_features import LayerInputs, architecture, llama_lib, make_tap
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ
 GRAVE = MAX_SEQ - 1  # the graveyard sequence: cells of rows that left while others ran (never borrowed)
@@ -113,6 +115,40 @@ class LlamaModel:
         self.vocab_size = int(lc.llama_vocab_n_tokens(vocab))
         self.eos_ids = {int(t) for t in (lc.llama_vocab_eos(vocab), lc.llama_vocab_eot(vocab)) if t >= 0}
         self.n_ctx_train = int(lc.llama_model_n_ctx_train(self.ptr))
+        self.n_layer, self.n_embd = int(lc.llama_model_n_layer(self.ptr)), int(lc.llama_model_n_embd(self.ptr))
+        self.architecture = architecture(lc, self.ptr)
+        self._embeddings: torch.nn.Embedding | None = None
+
+    def tap(self):
+        """A new context's hidden-state tap: an ``EvalTap`` to install, None for the layer-input API (bound once
+        the context exists), or the reason there is none."""
+        try:
+            return make_tap(self.lc, self.ptr, self.n_layer, self.n_embd)
+        except SpecgraftError as err:
+            return str(err)
+
+    # -- what an EAGLE-3 head reads of its target (``eagle.checkpoint.load_head``) ----------------------------
+    head_dtype = torch.bfloat16  # heads are trained in bf16 and run on the CPU beside llama.cpp
+
+    @property
+    def config(self):
+        return SimpleNamespace(hidden_size=self.n_embd, vocab_size=self.vocab_size, num_hidden_layers=self.n_layer,
+                               model_type=self.architecture)
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        """The token embedding, dequantised by llama.cpp itself (``llama_model_get_tok_embd``, fp32)."""
+        if self._embeddings is None:
+            fn = getattr(llama_lib(), "_Z24llama_model_get_tok_embdPK11llama_modelPf", None)
+            if fn is None:
+                raise SpecgraftError("this libllama does not export llama_model_get_tok_embd (llama-cpp-python "
+                                     "0.3.36 does): an EAGLE-3 head needs the target's token embedding")
+            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_uint32
+            out = np.empty((self.vocab_size, self.n_embd), dtype=np.float32)
+            if fn(self.ptr, out.ctypes.data) != out.size:
+                raise SpecgraftError(f"llama.cpp could not dequantise the token embedding of '{self.path}'")
+            # kept in bf16, the heads' dtype (fp32 would hold ~1 GB for a 150k x 1.5k vocabulary)
+            self._embeddings = torch.nn.Embedding.from_pretrained(torch.from_numpy(out).to(self.head_dtype))
+        return self._embeddings
 
     def __del__(self):
         if getattr(self, "ptr", None):
@@ -137,16 +173,23 @@ class LlamaCppBackend(RowLengths):
         params.flash_attn_type = s.flash_attn
         threads = s.n_threads or os.cpu_count() or 1
         params.n_threads = params.n_threads_batch = threads
+        tap, self.no_hidden = model.tap(), ""
+        if isinstance(tap, str):
+            tap, self.no_hidden = None, tap
+        elif tap is not None:
+            tap.install(params)
         self.ctx = lc.llama_init_from_model(model.ptr, params)
         if not self.ctx:
             raise SpecgraftError("llama.cpp could not create a context (out of memory?)")
+        self._tap = tap or (None if self.no_hidden else LayerInputs(self.ctx, model.n_layer, model.n_embd))
         self.mem = lc.llama_get_memory(self.ctx)
         self.vocab_size, self.eos_ids = model.vocab_size, model.eos_ids
         self.max_positions = min(s.n_ctx, model.n_ctx_train or s.n_ctx)
         self._batch = lc.llama_batch_init(s.n_batch, 0, MAX_SEQ)
         version = getattr(import_llama_cpp(), "__version__", "?")
         self.capabilities = Capabilities("llamacpp", "gguf", f"threads={threads}|llama_cpp={version}", "cpu",
-                                         hidden_states=False, references=("llama_pld",), label="llama.cpp",
+                                         hidden_states=self._tap is not None, references=("llama_pld",),
+                                         label="llama.cpp",
                                          tie_gap=1.0, tie_note="llama.cpp's quantised kernels round a tree decode "
                                                                "and a one-token decode differently (docs/backends.md)")
         self.reset()
@@ -219,9 +262,16 @@ class LlamaCppBackend(RowLengths):
             self.lc.llama_memory_seq_rm(self.mem, s, -1, -1)
             self._free.append(s)
 
-    def _decode(self, tokens, positions, seqs: list[list[int]], outputs) -> torch.Tensor:
-        """One ``llama_decode`` over ``n <= n_batch`` tokens; logits ``[sum(outputs), V]`` (fp32)."""
+    def _decode(self, tokens, positions, seqs: list[list[int]], outputs,
+                hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor] | None]:
+        """One ``llama_decode`` over ``n <= n_batch`` tokens: logits ``[sum(outputs), V]`` (fp32) and, for
+        ``hidden_layers``, the input of each of those layers at every token ``{layer: [n, H]}``."""
         n, b = len(tokens), self._batch
+        if hidden_layers:
+            self._check_hidden()
+            self._tap.want(hidden_layers)
+        if self._tap is not None:
+            self._tap.active = bool(hidden_layers)
         b.n_tokens = n
         np.ctypeslib.as_array(b.token, shape=(n,))[:] = tokens
         np.ctypeslib.as_array(b.pos, shape=(n,))[:] = positions
@@ -235,17 +285,25 @@ class LlamaCppBackend(RowLengths):
         rc = self.lc.llama_decode(self.ctx, b)
         if rc != 0:
             raise RuntimeError(f"llama_decode failed with status {rc} ({'no KV cell free: raise n_ctx' if rc == 1 else 'see the llama.cpp log'})")
+        hidden = self._tap.take(hidden_layers, n) if hidden_layers else None
         k = int(np.count_nonzero(outputs))
         if k == 0:
-            return torch.empty(0, self.vocab_size)
+            return torch.empty(0, self.vocab_size), hidden
         ptr = self.lc.llama_get_logits(self.ctx)
-        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(k, self.vocab_size)).copy())
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(k, self.vocab_size)).copy()), hidden
+
+    def _check_hidden(self) -> None:
+        if self._tap is None:
+            raise SpecgraftError(f"the llama.cpp backend cannot expose this model's hidden states ({self.no_hidden}); "
+                                 "EAGLE-3 heads need them: use --backend transformers for eagle and graft on the head")
 
     # -- rows joining and leaving ---------------------------------------------------------------------------
     def add(self, ids: torch.Tensor, all_logits: bool | torch.Tensor = False,
             hidden_layers: tuple[int, ...] = ()) -> VerifyOutput:
-        """Prefill ``ids: [T]`` (in ``n_batch`` chunks) as a new last row; logits as the transformers backend's."""
-        _no_hidden(hidden_layers)
+        """Prefill ``ids: [T]`` (in ``n_batch`` chunks) as a new last row; logits (and hidden states at every
+        prompt token) as the transformers backend's."""
+        if hidden_layers:
+            self._check_hidden()
         toks = ids.tolist()
         t = len(toks)
         if t + 1 > self.max_positions:
@@ -263,7 +321,7 @@ class LlamaCppBackend(RowLengths):
         try:
             for a in range(0, t, step):
                 chunks.append(self._decode(toks[a: a + step], np.arange(a, min(t, a + step)),
-                                           [[home]] * min(step, t - a), want[a: a + step]))
+                                           [[home]] * min(step, t - a), want[a: a + step], hidden_layers))
         except Exception:
             self._release([home, ballast])
             raise
@@ -272,7 +330,8 @@ class LlamaCppBackend(RowLengths):
         self._ballast_cells.append(0)
         self.lengths.append(t)
         self._steps.append(([], [], []))
-        return VerifyOutput(torch.cat(chunks), None)
+        hidden = {i: torch.cat([c[1][i] for c in chunks]) for i in hidden_layers} if hidden_layers else None
+        return VerifyOutput(torch.cat([c[0] for c in chunks]), hidden)
 
     def prefill(self, ids: torch.Tensor, all_logits: bool = False, hidden_layers: tuple[int, ...] = ()) -> VerifyOutput:
         self.reset()
@@ -298,7 +357,8 @@ class LlamaCppBackend(RowLengths):
     def verify_batch(self, trees: list[Tree], hidden_layers: tuple[int, ...] = ()) -> list[VerifyOutput]:
         """One ``llama_decode`` for all rows' trees when they fit in ``n_batch`` tokens; otherwise rows are split
         into consecutive decodes (rows never see each other's cells, so the results are the same)."""
-        _no_hidden(hidden_layers)
+        if hidden_layers:
+            self._check_hidden()
         if len(trees) != self.rows:
             raise ValueError(f"{len(trees)} trees for {self.rows} cache rows")
         # every limit is checked before any sequence is borrowed or copied (no side effects on refusal)
@@ -329,8 +389,11 @@ class LlamaCppBackend(RowLengths):
                 seqs += self._assign(i, t)
                 toks += t.tokens.tolist()
                 pos += (t.depth + self.lengths[i]).tolist()
-            logits = self._decode(toks, pos, seqs, np.ones(len(toks), dtype=np.int8))
-            out += [VerifyOutput(x, None) for x in logits.split([trees[i].size for i in group])]
+            logits, hidden = self._decode(toks, pos, seqs, np.ones(len(toks), dtype=np.int8), hidden_layers)
+            sizes = [trees[i].size for i in group]
+            parts = {h: x.split(sizes) for h, x in hidden.items()} if hidden else {}
+            out += [VerifyOutput(x, {h: parts[h][j] for h in parts} or None)
+                    for j, x in enumerate(logits.split(sizes))]
         return out
 
     def _assign(self, row: int, tree: Tree) -> list[list[int]]:
@@ -408,7 +471,7 @@ class LlamaCppBackend(RowLengths):
                 self.lc.llama_memory_seq_cp(self.mem, ks, s, kp, kp + 1)
         pos = positions.tolist()
         try:
-            logits = self._decode(tokens.tolist(), pos, [[s] for s in new], np.ones(n, dtype=np.int8))
+            logits, _ = self._decode(tokens.tolist(), pos, [[s] for s in new], np.ones(n, dtype=np.int8))
         except Exception:
             self._release(new)
             raise
@@ -422,8 +485,3 @@ class LlamaCppBackend(RowLengths):
         self.lc.llama_memory_seq_rm(self.mem, self.home[0], length, -1)
         self.lengths[0] = min(self.prefix_len, length)
 
-
-def _no_hidden(layers) -> None:
-    if layers:
-        raise SpecgraftError("the llama.cpp backend does not expose hidden states (EAGLE-3 heads need them); "
-                             "use --backend transformers for eagle and graft on the EAGLE head")

@@ -136,4 +136,5 @@ def load_head(path: str | os.PathLike, target, dtype: torch.dtype | None = None)
     if unexpected or missing:
         raise SpecgraftError(f"head '{path}': unexpected weights {unexpected[:4]}, missing {missing[:4]}")
     head.d2t, head.t2d = head.d2t.long(), head.t2d.bool()
-    return head.to(dtype or next(target.parameters()).dtype).eval()
+    # a target that is not a torch module (llama.cpp's weights) names the dtype its heads run in
+    return head.to(dtype or getattr(target, "head_dtype", None) or next(target.parameters()).dtype).eval()

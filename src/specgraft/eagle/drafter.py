@@ -66,7 +66,8 @@ class EagleDrafter:
         self.pending = self._features(prefill_hidden, slice(None))
 
     def _features(self, hidden: dict[int, torch.Tensor], rows) -> torch.Tensor:
-        return torch.cat([hidden[i][rows] for i in self.hidden_layers], -1)
+        # in the head's dtype: llama.cpp hands fp32 features to a bf16 head
+        return torch.cat([hidden[i][rows] for i in self.hidden_layers], -1).to(self.head.fc.weight.dtype)
 
     def _write(self, at: int, k: torch.Tensor, v: torch.Tensor) -> None:
         need = at + k.shape[2]
