@@ -7,6 +7,8 @@ fixed prefix, prefill time against prompt length, peak resident memory, and wher
     python scripts/backend_costs.py memory  --backend llamacpp        # run each backend in its own process
     python scripts/backend_costs.py profile                           # torch profiler, one transformers AR step
     python scripts/backend_costs.py floor --dtype int4                # the weights' memory floor: one read of each
+    python scripts/backend_costs.py llama-widths                      # llama.cpp: the GGUF, its gguf-q8 variant,
+                                                                      # and the hidden-state tap, interleaved
 
 Each prints one JSON line (and a table on stderr). Timings are medians of ``--reps`` after one warm-up; the
 prefix and prompts are token ids of a fixed text (no evaluation prompt).
@@ -151,9 +153,56 @@ def floor(args) -> dict:
             "bytes": total, "ms": round(t * 1000, 1), "gb_s": round(total / t / 1e9, 1)}
 
 
+def llama_widths(args) -> dict:
+    """Verify cost by width on llama.cpp for several contexts measured in one process, interleaved with the
+    order rotated each repetition: the GGUF as it is (without and with its hidden-state tap, reading the
+    head's layers or not) and its ``gguf-q8`` variant."""
+    from specgraft.backends import llamacpp as L
+    from specgraft.backends import llamacpp_backend
+    from specgraft.core.tree import Tree
+    from specgraft.registry import shipped_head
+    from specgraft.eagle.checkpoint import read_config
+
+    layers = tuple(read_config(shipped_head(args.model))["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    plain_tap = L.LlamaModel.tap
+    L.LlamaModel.tap = lambda self: "measured without a tap"
+    no_tap, tok = llamacpp_backend(args.model)
+    L.LlamaModel.tap = plain_tap
+    tap = no_tap.clone()
+    variant = llamacpp_backend(args.model, weights="gguf-q8")[0]
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(tok)(TEXT).input_ids[: args.prefix]
+    arms = {"gguf, no tap": (no_tap, ()), "gguf, tap idle": (tap, ()), "gguf, tap reading": (tap, layers),
+            "gguf-q8": (variant, ())}
+    for be, _ in arms.values():
+        be.prefill(torch.tensor(ids))
+    times: dict[str, dict[int, list[float]]] = {a: {n: [] for n in args.n} for a in arms}
+    names = list(arms)
+    for rep in range(args.reps + 1):  # repetition 0 is the warm-up
+        order = names[rep % len(names):] + names[: rep % len(names)]
+        for n in args.n:
+            tree = Tree.chain(ids[-1], ids[1:n])
+            for a in order:
+                be, hid = arms[a]
+                t = time.perf_counter()
+                be.verify(tree, hidden_layers=hid)
+                dt = time.perf_counter() - t
+                be.truncate(args.prefix)
+                if rep:
+                    times[a][n].append(dt)
+    res = {a: {n: round(statistics.median(v) * 1000, 1) for n, v in per.items()} for a, per in times.items()}
+    tap_kind = tap._tap.kind
+    print(f"tap: {tap_kind}; layers {layers}", file=sys.stderr)
+    for a, per in res.items():
+        print(f"{a:20s} " + " ".join(f"{n}:{ms}" for n, ms in per.items()), file=sys.stderr)
+    return {"what": "llama_widths_ms", "model": args.model, "prefix": args.prefix, "tap": tap_kind,
+            "reps": args.reps, "ms": res}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=("verify", "prefill", "memory", "profile", "floor"))
+    p.add_argument("what", choices=("verify", "prefill", "memory", "profile", "floor", "llama-widths"))
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
     p.add_argument("--backend", default="transformers")
     p.add_argument("--dtype", default="bfloat16")
@@ -165,7 +214,7 @@ def main() -> None:
     p.add_argument("--flash-attn", type=int, default=None)
     args = p.parse_args()
     print(json.dumps({"verify": verify, "prefill": prefill, "memory": memory, "profile": profile,
-                      "floor": floor}[args.what](args)))
+                      "floor": floor, "llama-widths": llama_widths}[args.what](args)))
 
 
 if __name__ == "__main__":

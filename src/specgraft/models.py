@@ -71,7 +71,8 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return dtype
     if dtype not in DTYPES:
         raise SpecgraftError(f"unknown dtype '{dtype}'; choose one of: float32, bfloat16, float16 (or int4: a registry "
-                             "model's own GGUF 4-bit weights, transformers on the CPU)")
+                             "model's own GGUF 4-bit weights, transformers on the CPU; gguf-q8: the GGUF's variant "
+                             "for --backend llamacpp)")
     return DTYPES[dtype]
 
 

@@ -14,6 +14,7 @@ from ..errors import SpecgraftError
 _MODELS: dict[tuple, object] = {}  # loaded GGUF weights, shared by every context made from them
 
 
+GGUF = "gguf"  # llama.cpp on the model's GGUF as it is
 INT4 = "int4"  # --dtype int4: the GGUF's own 4-bit codes through PyTorch's int4 kernel (backends/int4.py)
 
 
@@ -57,26 +58,37 @@ def transformers_drafts(dtype: str, cache_dir, device: str):
     return load_draft
 
 
-def llamacpp_backend(name_or_path: str, cache_dir: str | os.PathLike | None = None, settings=None):
-    """``(LlamaCppBackend, tokenizer_dir)`` for a registry model or a local ``.gguf`` file; weights load once."""
-    from ..models import gguf_file
+def llamacpp_backend(name_or_path: str, cache_dir: str | os.PathLike | None = None, settings=None,
+                     weights: str = GGUF):
+    """``(LlamaCppBackend, tokenizer_dir)`` for a registry model or a local ``.gguf`` file; weights load once.
+    ``weights``: ``gguf`` (the file as it is) or ``gguf-q8`` (its prepared variant, ``gguf_variant``)."""
+    from ..models import cache_root, gguf_file
+    from .gguf_variant import Q8_VARIANT, batched_variant
     from .llamacpp import LlamaCppBackend, LlamaModel, LlamaSettings, import_llama_cpp
 
     import_llama_cpp()  # one clear error before assembling a GGUF it could not run
     gguf, tok_dir = gguf_file(name_or_path, cache_dir)
+    if weights == Q8_VARIANT:
+        gguf = batched_variant(gguf, cache_root(cache_dir) / "gguf")
+    elif weights != GGUF:
+        raise SpecgraftError(f"unknown llama.cpp weights '{weights}'; choose {GGUF} or {Q8_VARIANT}")
     settings = settings or LlamaSettings()
     key = (str(Path(gguf).resolve()), settings)
     if key not in _MODELS:
-        _MODELS[key] = LlamaModel(gguf, settings)
+        _MODELS[key] = LlamaModel(gguf, settings, weights)
     return LlamaCppBackend(_MODELS[key]), tok_dir
 
 
 def _open_llamacpp(name_or_path: str, dtype: str, cache_dir, device: str):
+    """``--dtype gguf-q8`` opens the prepared variant; any other dtype the file as it is (llama.cpp runs the
+    GGUF's own quantisation)."""
     if device != "cpu":
         raise SpecgraftError("--backend llamacpp runs on the CPU here (built without CUDA); use --device cpu")
     from transformers import AutoTokenizer
 
-    backend, tok_dir = llamacpp_backend(name_or_path, cache_dir)
+    from .gguf_variant import Q8_VARIANT
+
+    backend, tok_dir = llamacpp_backend(name_or_path, cache_dir, weights=Q8_VARIANT if dtype == Q8_VARIANT else GGUF)
     return backend, AutoTokenizer.from_pretrained(tok_dir)
 
 

@@ -99,12 +99,12 @@ class LlamaSettings:
 class LlamaModel:
     """Loaded GGUF weights, shared by every context (backend) made from them."""
 
-    def __init__(self, path: Path, settings: LlamaSettings = LlamaSettings()):
+    def __init__(self, path: Path, settings: LlamaSettings = LlamaSettings(), weights: str = "gguf"):
         self.lc = lc = import_llama_cpp()
         _quiet(lc)
         params = lc.llama_model_default_params()
         params.n_gpu_layers = 0
-        self.path, self.settings = Path(path), settings
+        self.path, self.settings, self.weights = Path(path), settings, weights
         self.ptr = lc.llama_model_load_from_file(str(path).encode(), params)
         if not self.ptr:
             raise SpecgraftError(f"llama.cpp could not load '{path}'")
@@ -187,7 +187,7 @@ class LlamaCppBackend(RowLengths):
         self.max_positions = min(s.n_ctx, model.n_ctx_train or s.n_ctx)
         self._batch = lc.llama_batch_init(s.n_batch, 0, MAX_SEQ)
         version = getattr(import_llama_cpp(), "__version__", "?")
-        self.capabilities = Capabilities("llamacpp", "gguf", f"threads={threads}|llama_cpp={version}", "cpu",
+        self.capabilities = Capabilities("llamacpp", model.weights, f"threads={threads}|llama_cpp={version}", "cpu",
                                          hidden_states=self._tap is not None, references=("llama_pld",),
                                          label="llama.cpp",
                                          tie_gap=1.0, tie_note="llama.cpp's quantised kernels round a tree decode "

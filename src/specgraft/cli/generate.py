@@ -44,7 +44,7 @@ def generate(
                                "lossy:RULE:PARAM with RULE one of speccascade, typical, cos, lenience, interp, cap, "
                                "combined (docs/lossy.md); needs --temperature > 0."),
     max_new_tokens: int = typer.Option(128, help="Maximum number of generated tokens."),
-    dtype: str = typer.Option("bfloat16", help="float32 (exact reference), bfloat16 (2-3x faster on CPU) or int4 (the GGUF's own 4-bit weights, CPU)."),
+    dtype: str = typer.Option("bfloat16", help="float32 (exact reference), bfloat16 (2-3x faster on CPU) or int4 (the GGUF's own 4-bit weights, CPU); on --backend llamacpp: gguf-q8 (a prepared copy of the GGUF whose tensors all take llama.cpp's batched kernels, re-quantised by llama.cpp; other values: the file as it is)."),
     budget: Optional[str] = typer.Option(None, help="Tree node budget (non-root nodes), or 'auto' (eagle/graft/"
                                          "prune: maximise expected tokens/s on this machine); default per method."),
     opt: list[str] = typer.Option([], help="Any method option as KEY=VALUE (repeatable), e.g. --opt drafter=draft-tree "
