@@ -1,5 +1,6 @@
-"""Outside references: transformers' own assisted generation (``generate(assistant_model=...)``) and
-llama-cpp-python's own prompt lookup (``Llama(draft_model=LlamaPromptLookupDecoding(...))``).
+"""Outside references: transformers' own assisted generation (``generate(assistant_model=...)``),
+llama-cpp-python's own prompt lookup (``Llama(draft_model=LlamaPromptLookupDecoding(...))``) and llama.cpp's own
+server with its speculation (``llama_server.py``).
 
 Not one of our drafters: it runs HF's loop (its draft length heuristic, its cache) on the same prompts,
 so a benchmark can show where our draft-model drafter stands against the library users already have.
@@ -19,6 +20,7 @@ import torch
 from .core.sampling import SamplingParams
 from .core.stats import Stats
 from .errors import SpecgraftError
+from .llama_server import llama_server
 from .lossy.rules import parse_rule
 from .models import load
 from .outputs import Generation, Stream
@@ -166,6 +168,9 @@ def reference_stream(engine, method, prompt, sampling, max_new_tokens, stop, cha
     def pieces() -> Iterator[str]:
         if method == "hf_assisted":
             out, stats = hf_assisted(engine, ids, sampling, max_new_tokens, opts["model"])
+        elif method == "llama_server":
+            out, stats = llama_server(engine, ids, sampling, max_new_tokens, opts["spec"], opts["draft_model"],
+                                      opts["args"])
         else:
             out, stats = llama_pld(engine, ids, sampling, max_new_tokens, opts["max_ngram_size"],
                                    opts["num_pred_tokens"])

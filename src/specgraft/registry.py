@@ -47,8 +47,10 @@ DEFAULTS: dict[str, dict] = {
     "hf_assisted": {"budget": 0, "model": "qwen2.5-coder-0.5b"},
     # Outside reference on --backend llamacpp: llama-cpp-python's own prompt lookup (its defaults).
     "llama_pld": {"budget": 0, "max_ngram_size": 2, "num_pred_tokens": 10},
+    # Outside reference on --backend llamacpp: llama.cpp's own server and speculation (llama_server.py).
+    "llama_server": {"budget": 0, "spec": "none", "draft_model": "", "args": ""},
 }
-REFERENCES = {"hf_assisted": "transformers", "llama_pld": "llamacpp"}  # run this backend's library loop, not ours
+REFERENCES = {"hf_assisted": "transformers", "llama_pld": "llamacpp", "llama_server": "llamacpp"}  # run this backend's library loop, not ours
 METHODS = tuple(DEFAULTS)
 # Per-request keys a benchmark method entry may carry besides the method's options: the verification rule,
 # the truncation-sampling settings the rule is compared against, and a label for repeated configurations.

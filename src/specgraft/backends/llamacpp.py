@@ -188,7 +188,7 @@ class LlamaCppBackend(RowLengths):
         self._batch = lc.llama_batch_init(s.n_batch, 0, MAX_SEQ)
         version = getattr(import_llama_cpp(), "__version__", "?")
         self.capabilities = Capabilities("llamacpp", model.weights, f"threads={threads}|llama_cpp={version}", "cpu",
-                                         hidden_states=self._tap is not None, references=("llama_pld",),
+                                         hidden_states=self._tap is not None, references=("llama_pld", "llama_server"),
                                          label="llama.cpp",
                                          tie_gap=1.0, tie_note="llama.cpp's quantised kernels round a tree decode "
                                                                "and a one-token decode differently (docs/backends.md)")

@@ -10,7 +10,7 @@ import typer
 
 from ..errors import SpecgraftError
 from ..models import DEFAULT_MODEL, REGISTRY
-from ..registry import METHODS
+from ..registry import METHODS, REFERENCES
 from .app import DEFAULTS_HELP, app, quiet_transformers
 
 
@@ -120,7 +120,7 @@ def _check_request(method: str, compare: bool, sampling, flags: dict, opts: dict
             raise SpecgraftError(f"{rule.spec}: --method auto chooses among lossless methods only; name the method")
         check_lossy(rule, method, opts, sampling)
         print(f"warning: {rule.spec} is LOSSY: the output does not follow the target distribution", file=sys.stderr)
-    if compare and method in ("ar", "hf_assisted", "llama_pld"):
+    if compare and method in ("ar", *REFERENCES):
         raise SpecgraftError(f"--compare compares a speculative method with AR, not '{method}' (try --method auto)")
     return opts, budget, rule
 
