@@ -6,6 +6,7 @@ is ``core.backend.TargetBackend``; llama.cpp's is ``backends.llamacpp.LlamaCppBa
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -59,9 +60,10 @@ def transformers_drafts(dtype: str, cache_dir, device: str):
 
 
 def llamacpp_backend(name_or_path: str, cache_dir: str | os.PathLike | None = None, settings=None,
-                     weights: str = GGUF):
+                     weights: str = GGUF, hidden: bool = True):
     """``(LlamaCppBackend, tokenizer_dir)`` for a registry model or a local ``.gguf`` file; weights load once.
-    ``weights``: ``gguf`` (the file as it is) or ``gguf-q8`` (its prepared variant, ``gguf_variant``)."""
+    ``weights``: ``gguf`` (the file as it is) or ``gguf-q8`` (its prepared variant, ``gguf_variant``);
+    ``hidden=False`` for contexts that never return hidden states (draft models)."""
     from ..models import cache_root, gguf_file
     from .gguf_variant import Q8_VARIANT, batched_variant
     from .llamacpp import LlamaCppBackend, LlamaModel, LlamaSettings, import_llama_cpp
@@ -69,14 +71,16 @@ def llamacpp_backend(name_or_path: str, cache_dir: str | os.PathLike | None = No
     import_llama_cpp()  # one clear error before assembling a GGUF it could not run
     gguf, tok_dir = gguf_file(name_or_path, cache_dir)
     if weights == Q8_VARIANT:
-        gguf = batched_variant(gguf, cache_root(cache_dir) / "gguf")
+        original, gguf = gguf, batched_variant(gguf, cache_root(cache_dir) / "gguf")
+        print(f"specgraft: llama.cpp runs {gguf.name}, a copy of {original.name} re-quantised by llama.cpp "
+              f"({Q8_VARIANT}), not the original file", file=sys.stderr)
     elif weights != GGUF:
         raise SpecgraftError(f"unknown llama.cpp weights '{weights}'; choose {GGUF} or {Q8_VARIANT}")
     settings = settings or LlamaSettings()
     key = (str(Path(gguf).resolve()), settings)
     if key not in _MODELS:
         _MODELS[key] = LlamaModel(gguf, settings, weights)
-    return LlamaCppBackend(_MODELS[key]), tok_dir
+    return LlamaCppBackend(_MODELS[key], hidden=hidden), tok_dir
 
 
 def _open_llamacpp(name_or_path: str, dtype: str, cache_dir, device: str):

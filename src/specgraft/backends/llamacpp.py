@@ -161,7 +161,9 @@ class LlamaCppBackend(RowLengths):
 
     dtype = torch.float32  # llama.cpp returns fp32 logits whatever the weights' quantisation
 
-    def __init__(self, model: LlamaModel, settings: LlamaSettings | None = None):
+    def __init__(self, model: LlamaModel, settings: LlamaSettings | None = None, hidden: bool = True):
+        """``hidden=False``: a context that never returns hidden states (a draft model's), so it carries no
+        evaluation callback."""
         lc, self.model, self.lc = model.lc, model, model.lc
         s = self.settings = settings or model.settings
         if min(s.n_batch, s.n_ubatch) < MAX_SEQ:  # llama.cpp aborts the process otherwise (graph reservation)
@@ -173,7 +175,8 @@ class LlamaCppBackend(RowLengths):
         params.flash_attn_type = s.flash_attn
         threads = s.n_threads or os.cpu_count() or 1
         params.n_threads = params.n_threads_batch = threads
-        tap, self.no_hidden = model.tap(), ""
+        self.hidden = hidden
+        tap, self.no_hidden = (model.tap(), "") if hidden else ("a draft model's context", "")
         if isinstance(tap, str):
             tap, self.no_hidden = None, tap
         elif tap is not None:
@@ -203,13 +206,13 @@ class LlamaCppBackend(RowLengths):
 
     def clone(self) -> "LlamaCppBackend":
         """An empty backend on the same weights (a drafter's own cache)."""
-        return LlamaCppBackend(self.model, self.settings)
+        return LlamaCppBackend(self.model, self.settings, self.hidden)
 
     def draft_backend(self, model: str) -> "LlamaCppBackend":
         """A draft model's GGUF (a registry name or a ``.gguf`` path) on llama.cpp, with these settings."""
         from . import llamacpp_backend
 
-        return llamacpp_backend(model, settings=self.settings)[0]
+        return llamacpp_backend(model, settings=self.settings, hidden=False)[0]
 
     def reset(self) -> None:
         self.lc.llama_memory_clear(self.mem, True)
