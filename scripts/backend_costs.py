@@ -166,8 +166,10 @@ def llama_widths(args) -> dict:
     layers = tuple(read_config(shipped_head(args.model))["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
     plain_tap = L.LlamaModel.tap
     L.LlamaModel.tap = lambda self: "measured without a tap"
-    no_tap, tok = llamacpp_backend(args.model)
-    L.LlamaModel.tap = plain_tap
+    try:
+        no_tap, tok = llamacpp_backend(args.model)
+    finally:
+        L.LlamaModel.tap = plain_tap
     tap = no_tap.clone()
     variant = llamacpp_backend(args.model, weights="gguf-q8")[0]
     from transformers import AutoTokenizer

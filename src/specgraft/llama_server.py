@@ -60,26 +60,39 @@ class Server:
     def __init__(self, argv: list[str]):
         self.port = _free_port()
         self.log = tempfile.NamedTemporaryFile("w+b", prefix="llama-server-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([*argv, "--host", "127.0.0.1", "--port", str(self.port)],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.http = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
+        try:
+            self.proc = subprocess.Popen([*argv, "--host", "127.0.0.1", "--port", str(self.port)],
+                                         stdout=self.log, stderr=subprocess.STDOUT)
+        except OSError as err:
+            self.log.close()
+            Path(self.log.name).unlink(missing_ok=True)
+            raise SpecgraftError(f"cannot start llama-server {argv[0]}: {err}") from err
+        try:
+            self._wait_ready()
+        except BaseException:  # an error, a timeout or Ctrl-C: no orphaned server
+            self.close()
+            raise
+
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:  # readiness: /health answers 200 once the model is loaded
             if self.proc.poll() is not None:
                 raise SpecgraftError(f"llama-server exited with status {self.proc.returncode} at start "
                                      f"({self.tail()}); log: {self.log.name}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                with self.http.open(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
                     if r.status == 200:
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             if time.monotonic() > deadline:
-                self.close()
                 raise SpecgraftError(f"llama-server did not become ready in {START_TIMEOUT_S} s; log: {self.log.name}")
             time.sleep(0.2)  # the poll interval while the model loads
 
     def tail(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         lines = Path(self.log.name).read_text(errors="replace").strip().splitlines()
         return lines[-1] if lines else "no output"
 
@@ -87,24 +100,35 @@ class Server:
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=3600) as r:
+            with self.http.open(req, timeout=3600) as r:
                 return json.loads(r.read())
         except urllib.error.HTTPError as err:
             raise SpecgraftError(f"llama-server refused the request: {err.read().decode(errors='replace')[:300]}") from err
+        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError) as err:
+            raise ServerDied(f"llama-server failed ({err}; {self.tail()}); log: {self.log.name}") from err
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
+    def close(self, remove_log: bool = False) -> None:
+        """Stop the server; its log stays (errors name it) unless ``remove_log``."""
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
             try:
-                self.proc.wait(timeout=30)
+                proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                proc.kill()
+        self.log.close()
+        if remove_log:
+            Path(self.log.name).unlink(missing_ok=True)
+
+
+class ServerDied(SpecgraftError):
+    """The server stopped answering: it is dropped, and the next request starts a new one."""
 
 
 @atexit.register
 def _close_all() -> None:
     for s in _SERVERS.values():
-        s.close()
+        s.close(remove_log=True)
     _SERVERS.clear()
 
 
@@ -116,7 +140,8 @@ def server_argv(engine, spec: str, draft_model: str, args: str) -> list[str]:
     be = engine.backend
     s = be.settings
     threads = str(s.n_threads or os.cpu_count() or 1)
-    argv = [str(binary()), "-m", str(be.model.path), "-t", threads, "-tb", threads, "-c", "4096", "-np", "1",
+    argv = [str(binary()), "-m", str(be.model.path), "-t", threads, "-tb", threads, "-c", str(be.max_positions),
+            "-np", "1",
             "-b", str(s.n_batch), "-ub", str(s.n_ubatch), "--no-cache-prompt", "--no-warmup",
             "-fa", {-1: "auto", 0: "off", 1: "on"}[s.flash_attn]]
     if spec == "draft-simple":
@@ -135,6 +160,9 @@ def llama_server(engine, ids: list[int], sampling: SamplingParams, max_new_token
     if "llama_server" not in engine.capabilities.references:
         raise SpecgraftError("llama_server runs llama.cpp's own server on the GGUF: use --backend llamacpp")
     argv = server_argv(engine, spec, draft_model, args)
+    if len(ids) + max_new_tokens > engine.backend.max_positions:  # llama-server would stop early, silently
+        raise SpecgraftError(f"llama_server: {len(ids)} prompt + {max_new_tokens} new tokens exceed its context of "
+                             f"{engine.backend.max_positions}")
     key = tuple(argv)
     if key not in _SERVERS:
         _SERVERS[key] = Server(argv)
@@ -143,12 +171,19 @@ def llama_server(engine, ids: list[int], sampling: SamplingParams, max_new_token
     if not sampling.greedy:
         if sampling.eta:
             raise SpecgraftError("llama_server: llama.cpp has no eta sampling")
+        # our order (core.sampling.target_probs): temperature, then top-k, top-p, min-p (llama.cpp's default
+        # order applies temperature last, which changes what top-p and min-p keep)
         body.update(top_k=sampling.top_k or 0, top_p=sampling.top_p, min_p=sampling.min_p, typical_p=1.0,
-                    repeat_penalty=1.0, seed=sampling.seed if sampling.seed is not None else -1)
+                    repeat_penalty=1.0, seed=sampling.seed if sampling.seed is not None else -1,
+                    samplers=["temperature", "top_k", "top_p", "min_p"])
     else:
         body.update(top_k=1)
     t0 = time.perf_counter()
-    reply = _SERVERS[key].complete(body)
+    try:
+        reply = _SERVERS[key].complete(body)
+    except ServerDied:
+        _SERVERS.pop(key).close()
+        raise
     stats = Stats(method="llama_server")
     stats.total_s = time.perf_counter() - t0
     new = [int(t) for t in reply.get("tokens", [])]  # the end token included, as in our loops

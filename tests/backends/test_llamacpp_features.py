@@ -37,6 +37,7 @@ def tap_backend(engine, monkeypatch):
 
     monkeypatch.setattr(llamacpp_features, "LAYER_INPUT_ARCHS", frozenset())
     be = engine.backend.clone()
+    monkeypatch.undo()  # every other context of the test keeps the layer-input API
     assert be._tap.kind == "eval callback" and be.capabilities.hidden_states
     return be
 
@@ -55,10 +56,11 @@ def single_step_hidden(engine, ids: list[int], start: int) -> dict[int, torch.Te
 
 
 def test_both_taps_read_the_same_features_at_every_tree_node(engine, tap_backend):
-    assert engine.backend._tap.kind == "layer-input API"
+    api = engine.backend.clone()
+    assert api._tap.kind == "layer-input API" and tap_backend._tap.kind == "eval callback"
     tree = random_tree(20, seed=3)
     outs = []
-    for be in (engine.backend.clone(), tap_backend):
+    for be in (api, tap_backend):
         pre = be.prefill(torch.tensor(PROMPT), hidden_layers=LAYERS)
         assert {i: tuple(h.shape) for i, h in pre.hidden.items()} == {i: (len(PROMPT), 576) for i in LAYERS}
         outs.append((pre, be.verify(tree, hidden_layers=LAYERS)))
@@ -110,10 +112,29 @@ def test_missing_symbols_give_one_clear_error(engine, monkeypatch):
         make_drafter("eagle", engine.vocab_size, target_name="smollm2-135m", backend=be)
 
 
-def test_out_of_range_layer_refused(engine, tap_backend):
+def test_out_of_range_layer_refused_before_the_step_touches_the_cache(engine, tap_backend):
     for be in (engine.backend.clone(), tap_backend):
         with pytest.raises(SpecgraftError, match="layer"):
             be.prefill(torch.tensor(PROMPT), hidden_layers=(30,))
+        be.prefill(torch.tensor(PROMPT))
+        free = len(be._free)
+        with pytest.raises(SpecgraftError, match="layer"):
+            be.verify(random_tree(6, seed=2), hidden_layers=(0 if be._tap.kind == "eval callback" else 31,))
+        assert len(be._free) == free and be.prefix_len == len(PROMPT)  # no id borrowed, nothing cached
+
+
+def test_a_failed_feature_read_leaves_the_next_one_clean(tap_backend):
+    """The callback cannot raise through C: its error is kept, reported by take, and cleared by the next decode."""
+    tap_backend.prefill(torch.tensor(PROMPT))
+    tap = tap_backend._tap
+    tap.want(LAYERS)
+    tap.begin(True)
+    tap.found = {2: [torch.zeros(3, 576).numpy()]}  # what a failed decode could leave behind
+    tap.error = "boom"
+    with pytest.raises(SpecgraftError, match="boom"):
+        tap.take(LAYERS, 1)
+    out = tap_backend.verify(Tree.chain(PROMPT[-1], [900]), hidden_layers=LAYERS)
+    assert {i: tuple(h.shape) for i, h in out.hidden.items()} == {i: (2, 576) for i in LAYERS}
 
 
 from ..test_smollm2 import PROMPTS  # noqa: E402  the transformers exactness test's prompts

@@ -229,3 +229,20 @@ def test_a_method_without_an_ar_on_its_weights_is_not_checked_never_identical():
     md = markdown(rep)
     assert "- int4-pld: not checked (no AR ran on its backend and weights)" in md
     assert "int4-pld vs" not in md and "- int4-pld: identical" not in md
+
+
+def test_tables_divide_by_the_runs_ar_when_it_is_not_labelled_ar():
+    """A run whose AR is labelled ``llama-ar`` (no ``ar`` label): the tables' speedups are vs it, or vs
+    ``--reference``; they were all NaN before."""
+    recs = []
+    for i in range(3):
+        for label, tok_s in (("llama-ar", 10.0), ("llama-pld", 15.0), ("server", 20.0)):
+            r = make_record(label, i, tok_s=tok_s)
+            r.update(method="ar" if label == "llama-ar" else label)
+            recs.append(r)
+    rep = Report(recs, [], ["llama-ar", "llama-pld", "server"], {}, [])
+    md = markdown(rep)
+    assert "speedup vs llama-ar |" in md and "| all | llama-pld | 3 | 300 | 15.00 | 1.50x |" in md
+    assert "nanx" not in md
+    md = markdown(rep, reference="server")
+    assert "speedup vs server |" in md and "| all | llama-ar | 3 | 300 | 10.00 | 0.50x |" in md

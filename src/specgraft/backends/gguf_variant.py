@@ -11,13 +11,14 @@ tensor keeps its type, so it is copied unchanged. Q8_0 holds those values to wit
 per weight): the variant is not the user's file, and specgraft says so wherever it is used. Greedy output is
 lossless with respect to llama.cpp AR *on the variant*.
 
-The copy is made once, beside the original (or in the cache when that folder is read-only), written to a
-temporary name and renamed at the end.
+The copy is made once, beside the original (or in the cache when that folder is read-only), named after the
+original's path, size and modification time, written to a temporary name and renamed at the end.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import sys
 import tempfile
@@ -36,7 +37,11 @@ def target_type(t: int) -> int:
 
 
 def variant_path(original: Path, cache_dir: Path) -> Path:
-    name = f"{original.stem}.{Q8_VARIANT}.gguf"
+    """Named after the original's path, size and modification time, so a changed or another file of the same
+    name never reuses a stale copy."""
+    st = original.stat()
+    stamp = hashlib.sha256(f"{original.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    name = f"{original.stem}.{Q8_VARIANT}-{stamp}.gguf"
     beside = original.parent / name
     return beside if os.access(original.parent, os.W_OK) else cache_dir / name
 

@@ -271,10 +271,10 @@ class LlamaCppBackend(RowLengths):
         ``hidden_layers``, the input of each of those layers at every token ``{layer: [n, H]}``."""
         n, b = len(tokens), self._batch
         if hidden_layers:
-            self._check_hidden()
+            self._check_hidden(hidden_layers)
             self._tap.want(hidden_layers)
         if self._tap is not None:
-            self._tap.active = bool(hidden_layers)
+            self._tap.begin(bool(hidden_layers))
         b.n_tokens = n
         np.ctypeslib.as_array(b.token, shape=(n,))[:] = tokens
         np.ctypeslib.as_array(b.pos, shape=(n,))[:] = positions
@@ -295,10 +295,12 @@ class LlamaCppBackend(RowLengths):
         ptr = self.lc.llama_get_logits(self.ctx)
         return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(k, self.vocab_size)).copy()), hidden
 
-    def _check_hidden(self) -> None:
+    def _check_hidden(self, layers) -> None:
+        """Before a step touches anything: the tap exists and reads those layers."""
         if self._tap is None:
             raise SpecgraftError(f"the llama.cpp backend cannot expose this model's hidden states ({self.no_hidden}); "
                                  "EAGLE-3 heads need them: use --backend transformers for eagle and graft on the head")
+        self._tap.check(layers)
 
     # -- rows joining and leaving ---------------------------------------------------------------------------
     def add(self, ids: torch.Tensor, all_logits: bool | torch.Tensor = False,
@@ -306,7 +308,7 @@ class LlamaCppBackend(RowLengths):
         """Prefill ``ids: [T]`` (in ``n_batch`` chunks) as a new last row; logits (and hidden states at every
         prompt token) as the transformers backend's."""
         if hidden_layers:
-            self._check_hidden()
+            self._check_hidden(hidden_layers)
         toks = ids.tolist()
         t = len(toks)
         if t + 1 > self.max_positions:
@@ -361,7 +363,7 @@ class LlamaCppBackend(RowLengths):
         """One ``llama_decode`` for all rows' trees when they fit in ``n_batch`` tokens; otherwise rows are split
         into consecutive decodes (rows never see each other's cells, so the results are the same)."""
         if hidden_layers:
-            self._check_hidden()
+            self._check_hidden(hidden_layers)
         if len(trees) != self.rows:
             raise ValueError(f"{len(trees)} trees for {self.rows} cache rows")
         # every limit is checked before any sequence is borrowed or copied (no side effects on refusal)

@@ -35,18 +35,21 @@ SET_SYMBOL = "_Z30llama_set_embeddings_layer_inpP13llama_contextjb"  # (llama_co
 GET_SYMBOL = "_Z30llama_get_embeddings_layer_inpP13llama_contextj"  # (llama_context *, uint32_t) -> float *
 
 
-def _lib(name: str) -> ctypes.CDLL:
-    import llama_cpp
+def llama_lib() -> ctypes.CDLL:
+    """The libllama llama-cpp-python loaded (it honours ``LLAMA_CPP_LIB_PATH``): contexts it made are only
+    valid for its own functions."""
+    from llama_cpp import llama_cpp as lib
 
-    path = os.path.join(os.path.dirname(llama_cpp.__file__), "lib", name)
+    return lib._lib
+
+
+def _ggml_base() -> ctypes.CDLL:
+    """libggml-base beside that libllama (already loaded by it: this only finds the handle)."""
+    path = os.path.join(os.path.dirname(llama_lib()._name), "libggml-base.so")
     try:
         return ctypes.CDLL(path)
     except OSError as err:
         raise SpecgraftError(f"hidden states on llama.cpp: cannot open {path} ({err})") from err
-
-
-def llama_lib() -> ctypes.CDLL:
-    return _lib("libllama.so")
 
 
 def bind_layer_inputs():
@@ -78,17 +81,29 @@ class LayerInputs:
         self.ctx, self.n_layer, self.n_embd = ctx, n_layer, n_embd
         self.layers: set[int] = set()
 
-    def want(self, layers) -> None:
+    def check(self, layers) -> None:
         for i in layers:
             if not 0 <= i < self.n_layer:
                 raise SpecgraftError(f"hidden state of layer {i} asked, the model has layers 0..{self.n_layer - 1}")
+
+    def want(self, layers) -> None:
+        self.check(layers)
+        for i in layers:
             if i not in self.layers:  # on for good: turning it off and on re-reserves llama.cpp's graph
                 self._set(self.ctx, i, True)
                 self.layers.add(i)
 
+    def begin(self, reading: bool) -> None:
+        """Called before every decode (the API needs nothing per decode)."""
+
     def take(self, layers, n_tokens: int) -> dict[int, torch.Tensor]:
-        return {i: torch.from_numpy(np.ctypeslib.as_array(self._get(self.ctx, i), shape=(n_tokens, self.n_embd))
-                                    .copy()) for i in layers}
+        out = {}
+        for i in layers:
+            ptr = self._get(self.ctx, i)
+            if not ptr:
+                raise SpecgraftError(f"llama.cpp returned no input of layer {i} for the last decode")
+            out[i] = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n_tokens, self.n_embd)).copy())
+        return out
 
 
 class EvalTap:
@@ -97,7 +112,7 @@ class EvalTap:
     kind = "eval callback"
 
     def __init__(self, lc, n_layer: int, n_embd: int):
-        base = _lib("libggml-base.so")
+        base = _ggml_base()
         for fn, res in (("ggml_get_name", ctypes.c_char_p), ("ggml_nbytes", ctypes.c_size_t),
                         ("ggml_nelements", ctypes.c_int64)):
             getattr(base, fn).argtypes, getattr(base, fn).restype = [ctypes.c_void_p], res
@@ -107,6 +122,7 @@ class EvalTap:
         self.names: dict[bytes, int] = {}  # tensor name -> the layer whose input it is
         self.found: dict[int, list[np.ndarray]] = {}  # per layer, one block per micro-batch of the decode
         self.active = False  # copy only in decodes whose features are asked for
+        self.error = ""  # a problem met inside the callback (an exception cannot cross the C boundary)
 
         def callback(tensor, ask, _user):
             if not self.active:
@@ -118,7 +134,8 @@ class EvalTap:
                 return True
             n = base.ggml_nelements(tensor)
             if base.ggml_nbytes(tensor) != 4 * n or n % self.n_embd:  # fp32, [n_embd, n_tokens]
-                raise RuntimeError(f"llama.cpp layer output {layer - 1} is not fp32 [n_embd, tokens]")
+                self.error = f"llama.cpp's output of layer {layer - 1} is not fp32 [n_embd, tokens]"
+                return True  # False would stop the graph: the decode's logits and cells must still be computed
             out = np.empty(n, dtype=np.float32)
             get(tensor, out.ctypes.data, 0, 4 * n)
             self.found.setdefault(layer, []).append(out.reshape(-1, self.n_embd))
@@ -131,21 +148,30 @@ class EvalTap:
         params.cb_eval_user_data = None
 
     def want(self, layers) -> None:
+        self.check(layers)
         for i in layers:
-            if not 1 <= i < self.n_layer:  # layer 0's input is the embedding, which no graph names per layer
-                raise SpecgraftError(f"hidden state of layer {i} asked; the eval-callback tap reads layers "
-                                     f"1..{self.n_layer - 1}")
             self.names[f"l_out-{i - 1}".encode()] = i
 
+    def begin(self, reading: bool) -> None:
+        """Before every decode: copy only when ``reading``, and nothing left from an earlier (failed) one."""
+        self.active, self.found, self.error = reading, {}, ""
+
     def take(self, layers, n_tokens: int) -> dict[int, torch.Tensor]:
+        if self.error:
+            raise SpecgraftError(self.error)
         out = {}
         for i in layers:
             rows = np.concatenate(self.found[i]) if i in self.found else None
             if rows is None or rows.shape[0] != n_tokens:
-                raise RuntimeError(f"llama.cpp eval callback did not deliver layer {i} for {n_tokens} tokens")
+                raise SpecgraftError(f"llama.cpp's eval callback did not deliver layer {i} for {n_tokens} tokens")
             out[i] = torch.from_numpy(rows)
-        self.found = {}
         return out
+
+    def check(self, layers) -> None:
+        for i in layers:
+            if not 1 <= i < self.n_layer:  # layer 0's input is the embedding, which no graph names per layer
+                raise SpecgraftError(f"hidden state of layer {i} asked; the eval-callback tap reads layers "
+                                     f"1..{self.n_layer - 1}")
 
 
 def make_tap(lc, model_ptr, n_layer: int, n_embd: int):

@@ -129,7 +129,7 @@ def report(
     else:
         print(text)
     if plots_dir:
-        for p in plots(rep, plots_dir):
+        for p in plots(rep, plots_dir, reference):
             print(f"plot: {p}", file=sys.stderr)
     fp32 = {r["label"] for r in rep.records if r["dtype"] in ("float32", "fp32")}
     bad = {k: v for k, v in rep.mismatches.items() if v and (strict or k in fp32)}

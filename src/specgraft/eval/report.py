@@ -104,22 +104,33 @@ def exactness(records: list[dict], labels: list[str]) -> tuple[dict, list[str]]:
     return dict(mismatches), missing
 
 
-def aggregate(records: list[dict], labels: list[str], group) -> dict:
-    """{group value: {label: Agg}} over keys present for AR and the label (paired comparison)."""
+def baseline(records: list[dict], labels: list[str], reference: str | None = None) -> str | None:
+    """The label the tables' speedups divide by: ``reference`` when given, else ``ar``, else the first AR label
+    (a run whose AR is labelled ``llama-ar``), else None."""
+    if reference:
+        return reference
+    if "ar" in labels:
+        return "ar"
+    return next((lb for lb in labels if any(r["label"] == lb and r["method"] == "ar" for r in records)), None)
+
+
+def aggregate(records: list[dict], labels: list[str], group, base: str | None = "ar") -> dict:
+    """{group value: {label: Agg}} over keys present for the baseline and the label (paired comparison)."""
     by = {(r["label"], _key(r)): r for r in records}
     out: dict = defaultdict(lambda: defaultdict(Agg))
     for r in records:
-        if r["label"] != "ar" and ("ar", _key(r)) not in by:
+        if r["label"] != base and (base, _key(r)) not in by:
             continue
         out[group(r)][r["label"]].add(r)
     return out
 
 
-def _table(groups: dict, labels: list[str]) -> list[str]:
-    lines = ["| group | method | turns | tokens | tok/s | speedup vs AR | MAT | alpha by depth (1..6) | mean nodes "
-             "| prefill / draft / verify / other (s) | quality |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+def _table(groups: dict, labels: list[str], base_label: str | None = "ar") -> list[str]:
+    lines = [f"| group | method | turns | tokens | tok/s | speedup vs {base_label or 'AR'} | MAT | alpha by depth (1..6) "
+             "| mean nodes | prefill / draft / verify / other (s) | quality |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for g, aggs in groups.items():
-        base = aggs.get("ar")
+        base = aggs.get(base_label)
         for label in labels:
             a = aggs.get(label)
             if a is None or a.n == 0:
@@ -203,13 +214,17 @@ def markdown(rep: Report, command: str | None = None, reference: str | None = No
               f"- retrieval state: {sorted({r['label'] + '=' + r['retrieval_state'] for r in recs if r['retrieval_state']})}",
               "- MAT includes the bonus token (AR = 1). Speedup: AR time per token / method time per token, on the "
               "same prompts in the same run (equal to the wall-time ratio when outputs are identical).", ""]
-    lines += ["## Overall", ""] + _table(aggregate(recs, rep.labels, lambda r: "all"), rep.labels)
+    base = baseline(recs, rep.labels, reference)
+
+    def table(group) -> list[str]:
+        return _table(aggregate(recs, rep.labels, group, base), rep.labels, base)
+
+    lines += ["## Overall", ""] + table(lambda r: "all")
     lines += rs.noise_lines(pp, rs.noise_pairs(recs, rep.labels))
     lines += rs.interval_table(pp, rep.labels, reference, _interval_groups(recs))
     lines += rs.goal_lines(pp, parsed)
-    lines += ["", "## Per dataset", ""] + _table(aggregate(recs, rep.labels, lambda r: r["dataset"]), rep.labels)
-    lines += ["", "## Per category", ""] + _table(
-        aggregate(recs, rep.labels, lambda r: f"{r['dataset']}/{r['category']}"), rep.labels)
+    lines += ["", "## Per dataset", ""] + table(lambda r: r["dataset"])
+    lines += ["", "## Per category", ""] + table(lambda r: f"{r['dataset']}/{r['category']}")
     lines += rs.prompt_table(pp, rep.labels)
     lines += _graft_table(recs, rep.labels)
     lines += rs.calibration_lines(recs, rep.labels)
@@ -236,7 +251,7 @@ def markdown(rep: Report, command: str | None = None, reference: str | None = No
     return "\n".join(lines) + "\n"
 
 
-def plots(rep: Report, out_dir: str | Path) -> list[Path]:
+def plots(rep: Report, out_dir: str | Path, reference: str | None = None) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -244,11 +259,12 @@ def plots(rep: Report, out_dir: str | Path) -> list[Path]:
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    overall = aggregate(rep.records, rep.labels, lambda r: "all")["all"]
+    base = baseline(rep.records, rep.labels, reference)
+    overall = aggregate(rep.records, rep.labels, lambda r: "all", base)["all"]
     paths = []
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    pts = sorted((overall[label].mat, speedup(overall["ar"], overall[label]), label) for label in rep.labels)
+    pts = sorted((overall[label].mat, speedup(overall[base], overall[label]), label) for label in rep.labels)
     for mat, sp, label in pts:
         ax.scatter(mat, sp, s=40)
         ax.annotate(label, (mat, sp), fontsize=8, xytext=(4, 4), textcoords="offset points")
@@ -274,12 +290,12 @@ def plots(rep: Report, out_dir: str | Path) -> list[Path]:
     ax.legend(fontsize=8)
     paths.append(_save(plt, fig, out_dir / "acceptance_by_depth.png"))
 
-    cats = aggregate(rep.records, rep.labels, lambda r: f"{r['dataset']}/{r['category']}")
+    cats = aggregate(rep.records, rep.labels, lambda r: f"{r['dataset']}/{r['category']}", base)
     names = sorted(cats)
     fig, ax = plt.subplots(figsize=(max(6, len(names) * 0.9), 4.5))
     width = 0.8 / max(1, len(rep.labels) - 1)
     for j, label in enumerate(rep.labels[1:]):
-        vals = [speedup(cats[c]["ar"], cats[c][label]) if "ar" in cats[c] else 0 for c in names]
+        vals = [speedup(cats[c][base], cats[c][label]) if base in cats[c] else 0 for c in names]
         ax.bar([i + j * width for i in range(len(names))], vals, width, label=label)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xticks([i + width * (len(rep.labels) - 2) / 2 for i in range(len(names))])
