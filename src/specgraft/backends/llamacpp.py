@@ -151,7 +151,7 @@ class LlamaModel:
         return self._embeddings
 
     def __del__(self):
-        if getattr(self, "ptr", None):
+        if getattr(self, "ptr", None) and not sys.is_finalizing():  # at exit llama_cpp's bindings are gone first
             self.lc.llama_model_free(self.ptr)
             self.ptr = None
 
@@ -199,7 +199,7 @@ class LlamaCppBackend(RowLengths):
 
     def __del__(self):
         lc = getattr(self, "lc", None)
-        if lc is not None and getattr(self, "ctx", None):
+        if lc is not None and getattr(self, "ctx", None) and not sys.is_finalizing():
             lc.llama_batch_free(self._batch)
             lc.llama_free(self.ctx)
             self.ctx = None
