@@ -244,5 +244,7 @@ def test_tables_divide_by_the_runs_ar_when_it_is_not_labelled_ar():
     md = markdown(rep)
     assert "speedup vs llama-ar |" in md and "| all | llama-pld | 3 | 300 | 15.00 | 1.50x |" in md
     assert "nanx" not in md
+    assert "| all | llama-pld | 3 | 1.50x [1.50, 1.50] |" in md  # the interval table's AR column too
+    assert "| prompt | llama-ar tok/s | llama-pld | server |" in md and "| 1.50x / 1.00 | 2.00x / 1.00 |" in md
     md = markdown(rep, reference="server")
     assert "speedup vs server |" in md and "| all | llama-ar | 3 | 300 | 10.00 | 0.50x |" in md

@@ -221,11 +221,12 @@ def markdown(rep: Report, command: str | None = None, reference: str | None = No
 
     lines += ["## Overall", ""] + table(lambda r: "all")
     lines += rs.noise_lines(pp, rs.noise_pairs(recs, rep.labels))
-    lines += rs.interval_table(pp, rep.labels, reference, _interval_groups(recs))
+    ar_label = baseline(recs, rep.labels)  # the run's AR, whatever --reference adds
+    lines += rs.interval_table(pp, rep.labels, reference, _interval_groups(recs), ar_label)
     lines += rs.goal_lines(pp, parsed)
     lines += ["", "## Per dataset", ""] + table(lambda r: r["dataset"])
     lines += ["", "## Per category", ""] + table(lambda r: f"{r['dataset']}/{r['category']}")
-    lines += rs.prompt_table(pp, rep.labels)
+    lines += rs.prompt_table(pp, rep.labels, ar_label)
     lines += _graft_table(recs, rep.labels)
     lines += rs.calibration_lines(recs, rep.labels)
     lines += ["", "## Exactness (greedy outputs vs the AR of the same backend and weights, by token ids)", ""]

@@ -239,11 +239,17 @@ def goal_lines(pp: dict, goals: list[Goal]) -> list[str]:
 
 # --- tables ----------------------------------------------------------------------------------------------------
 
-def interval_table(pp: dict, labels: list[str], reference: str | None, groups: dict | None = None) -> list[str]:
+def _ar_name(ar_label: str | None) -> str:
+    return "AR" if ar_label in (None, "ar") else ar_label
+
+
+def interval_table(pp: dict, labels: list[str], reference: str | None, groups: dict | None = None,
+                   ar_label: str | None = "ar") -> list[str]:
     """Overall rows, then one block per group (``{name: prompt keys}``, e.g. per category) when there are
-    several: each group's intervals resample only its own prompts."""
-    has_ar = "ar" in pp
-    head = "| group | method | prompts | speedup vs AR [95% CI] |"
+    several: each group's intervals resample only its own prompts. ``ar_label``: the run's AR (``ar``, or e.g.
+    ``llama-ar`` in a run without that label)."""
+    has_ar = ar_label in pp
+    head = f"| group | method | prompts | speedup vs {_ar_name(ar_label)} [95% CI] |"
     sep = "|---|---|---|---|"
     if reference:
         head += f" speedup vs {reference} [95% CI] |"
@@ -258,8 +264,8 @@ def interval_table(pp: dict, labels: list[str], reference: str | None, groups: d
         for label in labels:
             if not sub.get(label):
                 continue
-            vs_ar = speedup_ci(sub, label, "ar") if has_ar else None
-            keys = paired(sub, label, "ar") if has_ar else None
+            vs_ar = speedup_ci(sub, label, ar_label) if has_ar else None
+            keys = paired(sub, label, ar_label) if has_ar else None
             mat = mat_ci(sub, label, keys)
             row = f"| {group} | {label} | {mat.n} | {vs_ar.fmt() if vs_ar else 'n/a (no AR)'} |"
             if reference:
@@ -272,16 +278,17 @@ def interval_table(pp: dict, labels: list[str], reference: str | None, groups: d
     return lines
 
 
-def prompt_table(pp: dict, labels: list[str]) -> list[str]:
-    """One row per prompt key; per method ``speedup vs AR / MAT``."""
-    methods = [x for x in labels if x != "ar" and x in pp]
+def prompt_table(pp: dict, labels: list[str], ar_label: str | None = "ar") -> list[str]:
+    """One row per prompt key; per method ``speedup vs AR / MAT`` (AR: ``ar_label``, the run's AR)."""
+    methods = [x for x in labels if x != ar_label and x in pp]
     keys = sorted({k for x in pp.values() for k in x}, key=str)
     if not methods or not keys:
         return []
-    lines = ["", "## Per prompt (speedup vs AR / MAT; all turns of a conversation together)", "",
-             "| prompt | AR tok/s | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
+    name = _ar_name(ar_label)
+    lines = ["", f"## Per prompt (speedup vs {name} / MAT; all turns of a conversation together)", "",
+             f"| prompt | {name} tok/s | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
     for k in keys:
-        ar = pp.get("ar", {}).get(k)
+        ar = pp.get(ar_label, {}).get(k)
         cells = [f"{ar.tokens / ar.wall:.1f}" if ar and ar.wall else "-"]
         for m in methods:
             s = pp[m].get(k)
