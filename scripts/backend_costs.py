@@ -157,20 +157,14 @@ def llama_widths(args) -> dict:
     """Verify cost by width on llama.cpp for several contexts measured in one process, interleaved with the
     order rotated each repetition: the GGUF as it is (without and with its hidden-state tap, reading the
     head's layers or not) and its ``gguf-q8`` variant."""
-    from specgraft.backends import llamacpp as L
     from specgraft.backends import llamacpp_backend
     from specgraft.core.tree import Tree
     from specgraft.registry import shipped_head
     from specgraft.eagle.checkpoint import read_config
 
     layers = tuple(read_config(shipped_head(args.model))["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
-    plain_tap = L.LlamaModel.tap
-    L.LlamaModel.tap = lambda self: "measured without a tap"
-    try:
-        no_tap, tok = llamacpp_backend(args.model)
-    finally:
-        L.LlamaModel.tap = plain_tap
-    tap = no_tap.clone()
+    no_tap, tok = llamacpp_backend(args.model, hidden=False)
+    tap = llamacpp_backend(args.model)[0]
     variant = llamacpp_backend(args.model, weights="gguf-q8")[0]
     from transformers import AutoTokenizer
 

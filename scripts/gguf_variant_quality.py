@@ -11,36 +11,22 @@ is from the user's original file, both on llama.cpp (docs/backends.md, "gguf-q8"
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import sys
 
 import torch
 
-from scripts.int4_quality import held_out_text
+from scripts.int4_quality import held_out_text, perplexity_of, quality_args
 from specgraft.backends import llamacpp_backend
 from tests.test_smollm2 import PROMPTS
 
 
 def perplexity(be, ids: list[int], window: int) -> float:
-    nll, count = 0.0, 0
-    for start in range(0, len(ids) - 1, window):
-        chunk = ids[start:start + window + 1]
-        logits = be.prefill(torch.tensor(chunk[:-1]), all_logits=True).logits.float()
-        nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(chunk[1:]), reduction="sum"))
-        count += len(chunk) - 1
-    return math.exp(nll / count)
+    return perplexity_of(lambda x: be.prefill(x, all_logits=True).logits, ids, window)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="qwen2.5-coder-1.5b")
-    p.add_argument("--new-tokens", type=int, default=48)
-    p.add_argument("--ppl-tokens", type=int, default=2048)
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--out")
-    args = p.parse_args()
+    args = quality_args()
     from specgraft import Engine
     from transformers import AutoTokenizer
 

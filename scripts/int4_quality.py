@@ -51,13 +51,29 @@ def agreement(model, pairs) -> dict:
 
 
 def perplexity(model, ids: list[int], window: int) -> float:
+    return perplexity_of(lambda x: model(input_ids=x.unsqueeze(0)).logits[0], ids, window)
+
+
+def perplexity_of(logits_of, ids: list[int], window: int) -> float:
+    """Perplexity of ``ids`` in windows; ``logits_of(ids: [T]) -> [T, V]`` (any backend)."""
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
-        chunk = torch.tensor([ids[start:start + window + 1]])
-        logits = model(input_ids=chunk[:, :-1]).logits[0].float()
-        nll += float(torch.nn.functional.cross_entropy(logits, chunk[0, 1:], reduction="sum"))
-        count += chunk.shape[1] - 1
+        chunk = torch.tensor(ids[start:start + window + 1])
+        logits = logits_of(chunk[:-1]).float()
+        nll += float(torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum"))
+        count += len(chunk) - 1
     return math.exp(nll / count)
+
+
+def quality_args() -> argparse.Namespace:
+    """The options both quality scripts take."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--ppl-tokens", type=int, default=2048)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--out")
+    return p.parse_args()
 
 
 def held_out_text(tok, n_tokens: int) -> list[int]:
@@ -78,13 +94,7 @@ def layer_errors(weights: dict[str, torch.Tensor], reference: dict[str, torch.Te
 
 @torch.inference_mode()
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="qwen2.5-coder-1.5b")
-    p.add_argument("--new-tokens", type=int, default=48)
-    p.add_argument("--ppl-tokens", type=int, default=2048)
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--out")
-    args = p.parse_args()
+    args = quality_args()
     fp32, tok = models.load(args.model, "float32")
     reference = fp32.state_dict()
     pairs = fp32_continuations(fp32, tok, args.new_tokens)

@@ -47,6 +47,19 @@ def single_steps(engine, ids: list[int], start: int) -> torch.Tensor:
     return torch.stack(out)
 
 
+def exact_joint(engine, prompt: list[int], params: SamplingParams) -> dict[tuple[int, int, int], float]:
+    """AR's exact probability of every 3-token continuation under ``params``, from one-token decodes."""
+    exact = {}
+    p1 = target_probs(engine.backend.clone().prefill(torch.tensor(prompt)).logits[-1], params)
+    for t1 in p1.nonzero().flatten().tolist():
+        p2 = target_probs(single_steps(engine, prompt + [t1], len(prompt))[-1], params)
+        for t2 in p2.nonzero().flatten().tolist():
+            p3 = target_probs(single_steps(engine, prompt + [t1, t2], len(prompt))[-1], params)
+            for t3 in p3.nonzero().flatten().tolist():
+                exact[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
+    return exact
+
+
 def path_of(tree: Tree, node: int) -> list[int]:
     toks, par, path = tree.tokens.tolist(), tree.parent_list, []
     while node != -1:
@@ -213,14 +226,7 @@ def test_sampling_through_the_loop_matches_ar(broken, monkeypatch, engine):
     """The first three sampled tokens (top-k 3, T = 1) of recycle trees on llama.cpp follow AR's exact joint,
     enumerated with one-token decodes; a verifier that ignores top-k and the residual must fail."""
     params, prompt = SamplingParams(temperature=1.0, top_k=3), PROMPT[:7]  # short: llama.cpp batches cost here
-    exact = {}
-    p1 = target_probs(engine.backend.clone().prefill(torch.tensor(prompt)).logits[-1], params)
-    for t1 in p1.nonzero().flatten().tolist():
-        p2 = target_probs(single_steps(engine, prompt + [t1], len(prompt))[-1], params)
-        for t2 in p2.nonzero().flatten().tolist():
-            p3 = target_probs(single_steps(engine, prompt + [t1, t2], len(prompt))[-1], params)
-            for t3 in p3.nonzero().flatten().tolist():
-                exact[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
+    exact = exact_joint(engine, prompt, params)
     drafter = make_drafter("recycle", engine.vocab_size, scope="hot")
     spec = []  # runs whose tree step accepted a drafted token (the rule was really exercised)
 

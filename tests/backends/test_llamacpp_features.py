@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specgraft.core.sampling import SamplingParams, target_probs
+from specgraft.core.sampling import SamplingParams
 from specgraft.core.tree import Tree
 from specgraft.errors import SpecgraftError
 from specgraft.registry import make_drafter
 
 from ..stattest import N_NEGATIVE, check_loop, with_negative_control
-from .test_llamacpp import PROMPT, first_divergence_gap, path_of, random_tree, single_steps
+from .test_llamacpp import PROMPT, exact_joint, first_divergence_gap, path_of, random_tree
 
 llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.slow
@@ -168,14 +168,7 @@ def test_eagle_sampling_through_the_loop_matches_ar(broken, monkeypatch, engine)
     """The first three sampled tokens (top-k 3, T = 1) with EAGLE trees on llama.cpp follow AR's exact joint
     (one-token decodes); a verifier that ignores top-k and the residual must fail."""
     params, prompt = SamplingParams(temperature=1.0, top_k=3), PROMPT[:7]
-    exact = {}
-    p1 = target_probs(engine.backend.clone().prefill(torch.tensor(prompt)).logits[-1], params)
-    for t1 in p1.nonzero().flatten().tolist():
-        p2 = target_probs(single_steps(engine, prompt + [t1], len(prompt))[-1], params)
-        for t2 in p2.nonzero().flatten().tolist():
-            p3 = target_probs(single_steps(engine, prompt + [t1, t2], len(prompt))[-1], params)
-            for t3 in p3.nonzero().flatten().tolist():
-                exact[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
+    exact = exact_joint(engine, prompt, params)
     drafter = make_drafter("eagle", engine.vocab_size, target_name="smollm2-135m", backend=engine.backend,
                            top_k=3, depth=2)
     spec = []

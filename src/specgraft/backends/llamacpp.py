@@ -51,7 +51,7 @@ import torch
 from ..core.backend import Capabilities, RowLengths, VerifyOutput
 from ..core.tree import Tree
 from ..errors import SpecgraftError
-from .llamacpp_features import LayerInputs, architecture, llama_lib, make_tap
+from .llamacpp_features import EvalTap, LayerInputs, architecture, llama_lib, make_tap
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ
 GRAVE = MAX_SEQ - 1  # the graveyard sequence: cells of rows that left while others ran (never borrowed)
@@ -119,14 +119,6 @@ class LlamaModel:
         self.architecture = architecture(lc, self.ptr)
         self._embeddings: torch.nn.Embedding | None = None
 
-    def tap(self):
-        """A new context's hidden-state tap: an ``EvalTap`` to install, None for the layer-input API (bound once
-        the context exists), or the reason there is none."""
-        try:
-            return make_tap(self.lc, self.ptr, self.n_layer, self.n_embd)
-        except SpecgraftError as err:
-            return str(err)
-
     # -- what an EAGLE-3 head reads of its target (``eagle.checkpoint.load_head``) ----------------------------
     head_dtype = torch.bfloat16  # heads are trained in bf16 and run on the CPU beside llama.cpp
 
@@ -175,16 +167,18 @@ class LlamaCppBackend(RowLengths):
         params.flash_attn_type = s.flash_attn
         threads = s.n_threads or os.cpu_count() or 1
         params.n_threads = params.n_threads_batch = threads
-        self.hidden = hidden
-        tap, self.no_hidden = (model.tap(), "") if hidden else ("a draft model's context", "")
-        if isinstance(tap, str):
-            tap, self.no_hidden = None, tap
-        elif tap is not None:
+        self.hidden, self.no_hidden, tap = hidden, "a context made without hidden states (a draft model's)", None
+        if hidden:
+            try:
+                tap, self.no_hidden = make_tap(lc, model.architecture, model.n_layer, model.n_embd), ""
+            except SpecgraftError as err:
+                self.no_hidden = str(err)
+        if isinstance(tap, EvalTap):
             tap.install(params)
         self.ctx = lc.llama_init_from_model(model.ptr, params)
         if not self.ctx:
             raise SpecgraftError("llama.cpp could not create a context (out of memory?)")
-        self._tap = tap or (None if self.no_hidden else LayerInputs(self.ctx, model.n_layer, model.n_embd))
+        self._tap = LayerInputs(self.ctx, model.n_layer, model.n_embd) if tap is LayerInputs else tap
         self.mem = lc.llama_get_memory(self.ctx)
         self.vocab_size, self.eos_ids = model.vocab_size, model.eos_ids
         self.max_positions = min(s.n_ctx, model.n_ctx_train or s.n_ctx)
@@ -270,8 +264,7 @@ class LlamaCppBackend(RowLengths):
         """One ``llama_decode`` over ``n <= n_batch`` tokens: logits ``[sum(outputs), V]`` (fp32) and, for
         ``hidden_layers``, the input of each of those layers at every token ``{layer: [n, H]}``."""
         n, b = len(tokens), self._batch
-        if hidden_layers:
-            self._check_hidden(hidden_layers)
+        if hidden_layers:  # callers checked the layers before touching the cache (_check_hidden)
             self._tap.want(hidden_layers)
         if self._tap is not None:
             self._tap.begin(bool(hidden_layers))

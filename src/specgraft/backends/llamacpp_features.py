@@ -87,7 +87,6 @@ class LayerInputs:
                 raise SpecgraftError(f"hidden state of layer {i} asked, the model has layers 0..{self.n_layer - 1}")
 
     def want(self, layers) -> None:
-        self.check(layers)
         for i in layers:
             if i not in self.layers:  # on for good: turning it off and on re-reserves llama.cpp's graph
                 self._set(self.ctx, i, True)
@@ -148,7 +147,6 @@ class EvalTap:
         params.cb_eval_user_data = None
 
     def want(self, layers) -> None:
-        self.check(layers)
         for i in layers:
             self.names[f"l_out-{i - 1}".encode()] = i
 
@@ -174,9 +172,10 @@ class EvalTap:
                                      f"1..{self.n_layer - 1}")
 
 
-def make_tap(lc, model_ptr, n_layer: int, n_embd: int):
-    """The tap this model's architecture supports (``LayerInputs`` needs the context: bound after creation)."""
-    if architecture(lc, model_ptr) in LAYER_INPUT_ARCHS:
+def make_tap(lc, arch: str, n_layer: int, n_embd: int):
+    """The tap this architecture supports: an ``EvalTap`` to install in the context's params, or the class
+    ``LayerInputs`` (bound once the context exists). SpecgraftError when the library lacks the symbols."""
+    if arch in LAYER_INPUT_ARCHS:
         bind_layer_inputs()  # fail here, before a context exists, when the symbols are missing
-        return None
+        return LayerInputs
     return EvalTap(lc, n_layer, n_embd)
