@@ -23,7 +23,7 @@ from .auto import auto_budget
 from .backend_choice import AUTO, choose_backend
 from .backends import open_backend, transformers_drafts
 from .core.backend import Backend, Capabilities, TargetBackend
-from .core.drafter import DraftContext, Drafter, last_occurrences
+from .core.drafter import DraftContext, Drafter, drive_all, last_occurrences, steps_of
 from .core.sampling import SamplingParams, make_generator
 from .core.stats import Stats
 from .core.tree import Tree
@@ -95,6 +95,9 @@ class Engine:
         self.totals = Stats("engine")  # engine-wide: steps, target forward, drafting, step wall time
         # The scheduler's say (serve/policy.py): (request, batch size) -> this step's budget, at most the request's.
         self.budget_policy: Callable[[Request, int], int] | None = None
+        # Drafters on one model (an EAGLE head) draft the whole batch in one forward per round; False drafts
+        # each request alone, one after another (the pre-issue-27 path, kept for measuring the difference).
+        self.batch_drafts = True
 
     # -- what the backend declares --------------------------------------------------------------------------
     @property
@@ -302,23 +305,28 @@ class Engine:
         return outs
 
     def _propose(self, outs: list[RequestOutput]) -> tuple[list[Tree], float]:
-        """Every active request's tree for this step (its budget capped by the scheduler's policy); a request
-        whose drafter raises ends alone. Returns the trees in row order and the seconds spent drafting."""
-        trees, draft_s = [], 0.0
+        """Every active request's tree for this step (its budget capped by the scheduler's policy), drafted in
+        lockstep so that drafters on one model (an EAGLE head) run ONE forward per round for the whole batch
+        (``core.drafter.drive_all``); a request whose drafter raises ends alone. Returns the trees in row order
+        and the seconds spent drafting."""
         batch = len(self.active)
-        for r in list(self.active):
-            propose_start = clock()
+        steps = []
+        for r in self.active:
             budget = r.budget if self.budget_policy is None else min(r.budget, self.budget_policy(r, batch))
-            try:
-                tree = r.drafter.propose(DraftContext(r.ids, budget, r.params))
-            except Exception as err:  # noqa: BLE001 -- one request's drafter failing ends that request only
-                self._fail(r, err, outs)
-                continue
-            trees.append(tree)
-            spent = clock() - propose_start
-            r.stats.draft_s += spent
-            draft_s += spent
-        return trees, draft_s
+            steps.append(steps_of(r.drafter, DraftContext(r.ids, budget, r.params)))
+        if self.batch_drafts:
+            proposals, spent = drive_all(steps)
+        else:
+            alone = [drive_all([s]) for s in steps]
+            proposals, spent = [a[0][0] for a in alone], [a[1][0] for a in alone]
+        trees = []
+        for r, proposal, seconds in zip(list(self.active), proposals, spent):
+            r.stats.draft_s += seconds
+            if isinstance(proposal, Exception):  # one request's drafter failing ends that request only
+                self._fail(r, proposal, outs)
+            else:
+                trees.append(proposal)
+        return trees, sum(spent)
 
     def _observe(self, r: Request, tree: Tree, res, verdict, forward_s: float, outs: list[RequestOutput]) -> float:
         """The drafter learns from the verification; the accepted tokens and the bonus are emitted. Returns the

@@ -25,6 +25,10 @@ def test_budget_shrinks_as_the_batch_grows():
     # A costly drafter is paid at every K, so it does not push the choice to K = 0 by itself.
     assert batch_budget(FLAT_THEN_LINEAR, RANKS, 0.05, 59, 4) == got[4]
     assert batch_budget(FLAT_THEN_LINEAR, RANKS, 0.0, 1, 1) == 1  # never above the request's budget
+    # A drafter idle at K = 0 (an EAGLE head defers its features) makes K = 0 cost AR's step: under load a
+    # costly head is then dropped, where a drafter paid at every K keeps its tree.
+    assert batch_budget(FLAT_THEN_LINEAR, RANKS, 0.01, 59, 16) == 2
+    assert batch_budget(FLAT_THEN_LINEAR, RANKS, 0.01, 59, 16, idle_at_zero=True) == 0
 
 
 def test_policy_keeps_lone_and_sampled_budgets_and_uses_the_knee_without_calibration():
@@ -35,6 +39,6 @@ def test_policy_keeps_lone_and_sampled_budgets_and_uses_the_knee_without_calibra
     assert [policy(pld, b) for b in (1, 2, 4, 8, 16)] == [10, 7, 3, 1, 0]
     pld.params = sampled  # a seeded request's text must not depend on its neighbours: its tree stays
     assert [policy(pld, b) for b in (1, 4, 16)] == [10, 10, 10]
-    policy._cal[("graft", "eagle", None, None)] = (RANKS, 0.0)
+    policy._cal[("graft", "eagle", None, None)] = (RANKS, 0.0, True)
     graft = SimpleNamespace(budget=59, config={"method": "graft", "drafter": "eagle"}, params=greedy)
     assert [policy(graft, b) for b in (1, 8, 64)] == [59, 2, 0]

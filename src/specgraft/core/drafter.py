@@ -9,8 +9,10 @@ Graft's matrix) lives behind ``observe``; the loop never knows which drafter it 
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Generator, Protocol
 
 import torch
 
@@ -59,6 +61,96 @@ class Drafter(Protocol):
     def describe(self) -> dict:
         """Configuration and state for records: method parameters, retrieval scope and state."""
         ...
+
+
+class Work(Protocol):
+    """One unit of a drafter's model work (an EAGLE head pass over some rows) handed out so that several
+    requests' units run in ONE forward: units sharing a ``runner`` run together, ``runner.run(units)`` returning
+    one result per unit, in order."""
+
+    runner: Any
+
+
+# A drafter that batches declares ``propose_steps(ctx)``: a generator that yields Work, is sent each result,
+# and returns the tree (``Generator[Work, result, Tree]``). ``propose`` stays the one-request path.
+ProposeSteps = Generator[Work, Any, Tree]
+
+
+def steps_of(drafter: "Drafter", ctx: DraftContext) -> ProposeSteps:
+    """The drafter's proposal as steps: its own ``propose_steps`` if it declares one, else ``propose`` run whole
+    (no model work handed out)."""
+    steps = getattr(drafter, "propose_steps", None)
+    if steps is not None:
+        return steps(ctx)
+    return _whole(drafter, ctx)
+
+
+def _whole(drafter: "Drafter", ctx: DraftContext) -> ProposeSteps:
+    return drafter.propose(ctx)
+    yield  # a generator that hands out no work
+
+
+def drive(steps: Generator[Work, Any, Any]):
+    """Run one request's steps alone: each unit by its runner, one at a time. Returns the generator's value."""
+    result = None
+    while True:
+        try:
+            work = steps.send(result)
+        except StopIteration as stop:
+            return stop.value
+        result = work.runner.run([work])[0]
+
+
+def drive_all(all_steps: list[ProposeSteps]) -> tuple[list[Any], list[float]]:
+    """Run many requests' steps in lockstep: each round, every pending unit of one runner goes into one
+    ``runner.run`` call (ragged rows, whatever level each request is at). Returns, per request, its tree or
+    the exception that ended it (one request's failure never ends another's), and the seconds it spent: its
+    own host work plus an equal share of each batched run it took part in.
+
+    A batched run that raises is retried unit by unit, so only the units that fail alone fail."""
+    n = len(all_steps)
+    out: list[Any] = [None] * n
+    spent = [0.0] * n
+    pending: dict[int, Work] = {}
+
+    def advance(i: int, value) -> None:
+        start = time.perf_counter()
+        try:
+            pending[i] = all_steps[i].send(value)
+        except StopIteration as stop:
+            out[i] = stop.value
+        except Exception as err:  # noqa: BLE001 -- this request's drafter failed; the others go on
+            out[i] = err
+        spent[i] += time.perf_counter() - start
+
+    for i in range(n):
+        advance(i, None)
+    while pending:
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i, work in pending.items():
+            groups[id(work.runner)].append(i)
+        current, pending = pending, {}
+        for members in groups.values():
+            units = [current[i] for i in members]
+            start = time.perf_counter()
+            try:
+                results = units[0].runner.run(units)
+            except Exception:  # noqa: BLE001 -- find which unit fails: run each alone
+                results = []
+                for unit in units:
+                    try:
+                        results.append(unit.runner.run([unit])[0])
+                    except Exception as err:  # noqa: BLE001
+                        results.append(err)
+            share = (time.perf_counter() - start) / len(members)
+            for i, result in zip(members, results):
+                spent[i] += share
+                if isinstance(result, Exception):
+                    out[i] = result
+                    all_steps[i].close()
+                else:
+                    advance(i, result)
+    return out, spent
 
 
 class NoDraft:

@@ -26,7 +26,7 @@ In our words, with the worked examples the tests assert: docs/design.md §4.4.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal, Protocol
+from typing import Callable, Generator, Literal, Protocol
 
 import torch
 
@@ -73,6 +73,20 @@ InnerDrafter = TreeDrafter | ChainDrafter
 def expand_topk(first_logp: torch.Tensor, expand: Callable[[list[int]], torch.Tensor], top_k: int,
                 depth: int, gate: Gate | None = None) -> Candidates:
     """Level 0 from ``first_logp`` ``[V]``, then up to ``depth`` expansions of the best ``top_k`` frontier."""
+    steps = expand_topk_steps(first_logp, top_k, depth, gate)
+    logp = None
+    while True:
+        try:
+            frontier = steps.send(logp)  # (a StopIteration must not escape: callers may be generators)
+        except StopIteration as stop:
+            return stop.value
+        logp = expand(frontier)
+
+
+def expand_topk_steps(first_logp: torch.Tensor, top_k: int, depth: int,
+                      gate: Gate | None = None) -> Generator[list[int], torch.Tensor, Candidates]:
+    """:func:`expand_topk` as steps: yields each frontier (candidate indices), is sent its log-probabilities
+    ``[len(frontier), V]``, returns the candidates. A batched drafter runs many requests' steps in lockstep."""
     vals, ids = torch.topk(first_logp.float(), top_k)
     tokens, parents, scores = ids.tolist(), [-1] * top_k, vals.tolist()
     levels = [0] * top_k
@@ -81,7 +95,7 @@ def expand_topk(first_logp: torch.Tensor, expand: Callable[[list[int]], torch.Te
     if gate is not None and gate(0, vals, first_logp):
         return Candidates(tokens, parents, scores, level_best, 0, levels)
     for level in range(1, depth + 1):
-        logp = expand(frontier).float()
+        logp = (yield frontier).float()
         cv, ci = torch.topk(logp, top_k, dim=-1)  # [f, k]
         cum = cv + torch.tensor([scores[f] for f in frontier]).unsqueeze(1)
         start = len(tokens)
@@ -96,6 +110,15 @@ def expand_topk(first_logp: torch.Tensor, expand: Callable[[list[int]], torch.Te
         if gate is not None and gate(level, top.values, logp[int(top.indices[0]) // top_k]):
             return Candidates(tokens, parents, scores, level_best, level, levels)
     return Candidates(tokens, parents, scores, level_best, None, levels)
+
+
+def draft_steps_of(inner, ctx: DraftContext, gate: Gate | None = None) -> Generator:
+    """An inner tree drafter's ``draft`` as steps (``core.drafter.steps_of`` for inner drafters): its own
+    ``draft_steps`` if it batches, else ``draft`` run whole."""
+    steps = getattr(inner, "draft_steps", None)
+    if steps is not None:
+        return (yield from steps(ctx, gate))
+    return inner.draft(ctx, gate)
 
 
 def rerank(c: Candidates, budget: int) -> tuple[list[int], list[int], list[int]]:

@@ -18,15 +18,20 @@ In our words, with the worked examples the tests assert: docs/design.md §4.5.
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import replace
 
 import torch
 
-from ..drafters.dynamic_tree import Candidates, Gate, candidates_tree, expand_topk
-from .head import Eagle3Head
+from ..core.drafter import DraftContext, ProposeSteps, drive
 from ..core.tree import Tree, path_to
-from ..core.drafter import DraftContext
+from ..drafters.dynamic_tree import Candidates, Gate, candidates_tree, expand_topk_steps
+from .batch import HeadCall, HeadRunner
+from .head import Eagle3Head
+
+# A step with budget 0 (the scheduler's policy under load) drafts nothing, so the head does not run at all:
+# the accepted tokens' features wait and are fed in one pass the next time the request drafts. Up to this many
+# rows wait; beyond, they are fed anyway (the head's cache must not fall arbitrarily far behind).
+DEFER_MAX = 64
 
 
 class EagleDrafter:
@@ -39,6 +44,7 @@ class EagleDrafter:
                 and isinstance(depth, int) and depth >= 0):
             raise ValueError(f"eagle needs integer 1 <= top_k <= {head.config.draft_vocab_size} and depth >= 0")
         self.head, self.label, self.top_k, self.depth = head, label, top_k, depth
+        self.runner = HeadRunner.of(head)  # shared by every drafter on this head: their passes batch together
         self.hidden_layers = tuple(head.config.target_layers)
         # KV buffers [1, nkv, capacity, d] written by position: committed pairs first, then this step's
         # speculative nodes (overwritten next step); views of them are the head's cache.
@@ -53,13 +59,6 @@ class EagleDrafter:
         c.kbuf = c.vbuf = c.pending = None
         c.n, c.forward_s = 0, 0.0
         return c
-
-    def _timed(self, fn, *args):
-        """Run a head forward (fc, decoder layer, lm_head), timing it as the drafter's model time."""
-        t0 = time.perf_counter()
-        out = fn(*args)
-        self.forward_s += time.perf_counter() - t0
-        return out
 
     def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
         self.n = 0
@@ -83,24 +82,37 @@ class EagleDrafter:
         return None if length == 0 else (self.kbuf[:, :, :length], self.vbuf[:, :, :length])
 
     def propose(self, ctx: DraftContext) -> Tree:
-        return candidates_tree(ctx, self.draft(ctx), ctx.budget)
+        return drive(self.propose_steps(ctx))
 
-    @torch.inference_mode()
+    def propose_steps(self, ctx: DraftContext) -> ProposeSteps:
+        """The proposal as head passes handed out one at a time (``core.drafter.drive_all`` batches them
+        across requests)."""
+        return candidates_tree(ctx, (yield from self.draft_steps(ctx)), ctx.budget)
+
     def draft(self, ctx: DraftContext, gate: Gate | None = None) -> Candidates | None:
         """Feed the pending features, then expand (``gate`` may stop early); candidates hold target ids."""
+        return drive(self.draft_steps(ctx, gate))
+
+    def _call(self, feat, fuse, tokens, positions, past, bias, logit_rows) -> HeadCall:
+        return HeadCall(self.runner, self, feat, fuse, tokens, positions, past, bias, logit_rows)
+
+    def draft_steps(self, ctx: DraftContext, gate: Gate | None = None):
+        """:meth:`draft` as steps: yields :class:`HeadCall` units, is sent their results."""
+        if ctx.budget <= 0 and self.pending.shape[0] < DEFER_MAX:
+            return None  # nothing to draft: the features wait and join the next extend (see DEFER_MAX)
         head, n = self.head, self.n
         new_tokens = torch.tensor(ctx.ids[n + 1 :])
         if new_tokens.numel() != self.pending.shape[0]:
             raise AssertionError(f"eagle: {self.pending.shape[0]} features for {new_tokens.numel()} new tokens")
         pos = torch.arange(n, n + new_tokens.numel())
-        h, (k, v) = self._timed(head.step, self._timed(head.fc, self.pending).unsqueeze(0), new_tokens.unsqueeze(0), pos.unsqueeze(0),
-                              self._past(n), None)
-        self._write(n, k, v)
+        want = slice(-1, None) if ctx.budget > 0 else None
+        res = yield self._call(self.pending, True, new_tokens, pos, self._past(n), None, want)
+        self._write(n, res.k, res.v)
         self.n = n + new_tokens.numel()
         self.pending = None
         if ctx.budget <= 0:
             return None
-        h_last, base = h[0, -1], self.n  # base = N - 1: the position of level-0 nodes
+        h_last, base = res.h[-1], self.n  # base = N - 1: the position of level-0 nodes
         outs: dict[int, torch.Tensor] = {}  # candidate -> its head output (the feature of its children)
         slot: dict[int, int] = {}  # candidate -> index among the speculative keys
         cand_tokens: list[int] = []  # target ids, mirrored from expand_topk's candidate list
@@ -112,10 +124,10 @@ class EagleDrafter:
                 cand_tokens.extend(top[row].tolist())
                 cand_parents.extend([par] * self.top_k)
 
-        def expand(frontier: list[int]) -> torch.Tensor:
+        def expand_call(frontier: list[int]) -> HeadCall:
             feats, depth = [], []
             A, f = len(slot), len(frontier)
-            bias = torch.zeros(1, 1, f, base + A + f, dtype=h.dtype)
+            bias = torch.zeros(1, 1, f, base + A + f, dtype=res.h.dtype)
             hidden = torch.full((f, A + f), True)
             for j, c in enumerate(frontier):
                 par = cand_parents[c]
@@ -126,23 +138,33 @@ class EagleDrafter:
                 depth.append(len(path))
             bias[0, 0, :, base:].masked_fill_(hidden, float("-inf"))
             toks = torch.tensor([cand_tokens[c] for c in frontier])
-            out, (k2, v2) = self._timed(head.step, torch.stack(feats).unsqueeze(0), toks.unsqueeze(0),
-                                      (torch.tensor(depth) + base - 1).unsqueeze(0), self._past(base + A), bias)
-            self._write(base + A, k2, v2)
-            for j, c in enumerate(frontier):
-                slot[c], outs[c] = A + j, out[0, j]
-            logp = torch.log_softmax(self._timed(head.logits, out[0]).float(), -1)
-            children(logp, frontier)
-            return logp
+            return self._call(torch.stack(feats), False, toks, torch.tensor(depth) + base - 1, self._past(base + A),
+                              bias, slice(None))
 
-        first = torch.log_softmax(self._timed(head.logits, h_last).float(), -1)
+        first = res.logp[0]
         children(first.unsqueeze(0), [-1])
-        cands = expand_topk(first, expand, self.top_k, self.depth, gate)
+        steps = expand_topk_steps(first, self.top_k, self.depth, gate)
+        logp = None
+        while True:
+            try:
+                frontier = steps.send(logp)
+            except StopIteration as stop:
+                cands = stop.value
+                break
+            out = yield expand_call(frontier)
+            A = len(slot)
+            self._write(base + A, out.k, out.v)
+            for j, c in enumerate(frontier):
+                slot[c], outs[c] = A + j, out.h[j]
+            children(out.logp, frontier)
+            logp = out.logp
         # expand_topk saw draft-vocabulary ids; the tree holds target ids.
         return replace(cands, tokens=cand_tokens[: len(cands.tokens)])
 
     def observe(self, tree, logits, verdict, hidden=None) -> None:
-        self.pending = self._features(hidden, torch.tensor(verdict.accepted))
+        feats = self._features(hidden, torch.tensor(verdict.accepted))
+        # features of a step that drafted nothing are still pending: they are fed together next time
+        self.pending = feats if self.pending is None else torch.cat([self.pending, feats])
 
     def describe(self) -> dict:
         c = self.head.config

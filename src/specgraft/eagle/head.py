@@ -166,6 +166,13 @@ class Eagle3Head(nn.Module):
         attn = self.midlayer.self_attn
         x = self.midlayer.inputs(feat, self.embed_tokens(tokens))
         q, k, v = attn.qkv(x, positions)
+        return self.midlayer.finish(feat, attn.o_proj(self.attend(q, k, v, past, bias))), (k, v)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               past: tuple[torch.Tensor, torch.Tensor] | None, bias: torch.Tensor | None) -> torch.Tensor:
+        """Attention of new queries ``q [B, nh, T, d]`` over ``past`` and the new keys ``k, v``; returns
+        ``[B, T, nh*d]`` before ``o_proj``. ``bias`` as in :meth:`step`."""
+        attn = self.midlayer.self_attn
         T, S = q.shape[2], 0 if past is None else past[0].shape[2]
         if bias is None:
             bias = torch.zeros(T, S + T, dtype=q.dtype, device=q.device)
@@ -177,7 +184,7 @@ class Eagle3Head(nn.Module):
         mixed = attn.weighted(p[..., S:], v)
         if past is not None:
             mixed = mixed + attn.weighted(p[..., :S].contiguous(), past[1])
-        return self.midlayer.finish(feat, attn.o_proj(mixed)), (k, v)
+        return mixed
 
 
 def parameter_count(head: Eagle3Head) -> int:

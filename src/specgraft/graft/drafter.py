@@ -32,12 +32,12 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from ..drafters.dynamic_tree import InnerDrafter, rerank
+from ..drafters.dynamic_tree import InnerDrafter, draft_steps_of, rerank
 from .context import ContextModel, context_trie, find_matches, request_factor, split_slots, take_trie
 from .templates import RANK_WEIGHTS, ROOT_SHARE, graft_merge, path_weight, stage_split, stage_template, sweep_template
 from .pruning import SparseGate
 from ..core.tree import SOURCE_CONTEXT, SOURCE_DRAFT, SOURCE_RETRIEVAL, SOURCE_ROOT, Tree
-from ..core.drafter import DraftContext
+from ..core.drafter import DraftContext, ProposeSteps, drive
 from ..drafters.matrix import AdjacencyMatrix
 
 TREE_VARIANTS = ("graft", "prune", "fixed", "root", "batch")
@@ -136,8 +136,14 @@ class GraftDrafter:
             self.matrix.update_prompt(prompt_ids, prefill_logits)
 
     def propose(self, ctx: DraftContext) -> Tree:
+        return drive(self.propose_steps(ctx))
+
+    def propose_steps(self, ctx: DraftContext) -> ProposeSteps:
+        """The proposal as the inner drafter's passes (batched across requests where it batches: the EAGLE
+        head); the retrieval sources are host work between them. ``times.propose_s`` is wall time, batched
+        passes included."""
         t0 = time.perf_counter()
-        tree = self._propose_chain(ctx) if self.chain else self._propose_tree(ctx)
+        tree = self._propose_chain(ctx) if self.chain else (yield from self._propose_tree(ctx))
         self.times["propose_s"] += time.perf_counter() - t0
         src = tree.source
         self.counters["offered_draft"] += int((src == SOURCE_DRAFT).sum())
@@ -214,7 +220,7 @@ class GraftDrafter:
         self.stages["root"] += 1
         return budget - ret, 2, ret
 
-    def _propose_tree(self, ctx: DraftContext) -> Tree:
+    def _propose_tree(self, ctx: DraftContext) -> ProposeSteps:
         gate = self.policy if self.variant in ("graft", "prune") else None
         root = ctx.ids[-1]
         matches = find_matches(ctx.ids, self.ctx_ngram, self.ctx_chains) if self.context and ctx.budget > 0 else []
@@ -222,11 +228,11 @@ class GraftDrafter:
             # The best context chain alone is expected to be accepted at least as far as the head's whole tree
             # (calibrated): skip the expansion (the inner drafter only takes in the accepted tokens) and give
             # every slot to the retrieval sources, in the root-collapse (stage 0) shape.
-            self.inner.draft(replace(ctx, budget=0), None)
+            yield from draft_steps_of(self.inner, replace(ctx, budget=0), None)
             self.stages["context"] += 1
             self.lifetime_context_first += 1
             return self._graft(ctx, [root], [-1], [SOURCE_ROOT], 0, ctx.budget, matches)
-        cands = self.inner.draft(ctx, gate)
+        cands = yield from draft_steps_of(self.inner, ctx, gate)
         if cands is None:
             return Tree.chain(root, [])
         n_draft, stage, slots = self._split(ctx, cands)

@@ -5,7 +5,7 @@ memory-bound CPU a forward over a few tokens costs about as much as over one, th
 alone (B = 1) overpays at B = 4 and loses to AR at B = 8 (docs/benchmarks.md, issue 13's batch table). For each
 step with B >= 2 requests, each request's budget becomes
 
-    K*(B) = argmax_{0 <= K <= budget}  B * MAT(K) / (B * draft_s + verify_s(B * (K + 1)))
+    K*(B) = argmax_{0 <= K <= budget}  B * MAT(K) / (B * draft_s [0 at K = 0 for EAGLE heads] + verify_s(B * (K + 1)))
 
 with ``verify_s`` this machine's measured latency curve (``costs.py``, made non-decreasing; proportional to
 the width beyond the widest measurement) read at the batch's total slots and
@@ -48,11 +48,16 @@ def verify_s(curve: dict[int, float], width: int) -> float:
     return interpolate(curve, width) if width <= top else curve[top] * width / top
 
 
-def batch_budget(curve: dict[int, float], ranks: list[list[int]], draft_s: float, budget: int, batch: int) -> int:
-    """K*(B) of the module docstring. The drafter's time is paid even at K = 0 (a head still digests the
-    accepted tokens), so shrinking the budget is never credited with a saving it does not make."""
+def batch_budget(curve: dict[int, float], ranks: list[list[int]], draft_s: float, budget: int, batch: int,
+                 idle_at_zero: bool = False) -> int:
+    """K*(B) of the module docstring. ``idle_at_zero``: the drafter does no work at K = 0 (an EAGLE head defers
+    the accepted tokens' features to its next drafting step), so K = 0 costs AR's step; otherwise its time is
+    paid at every K and shrinking the budget is never credited with a saving it does not make. ``B * draft_s``
+    is an upper bound where drafting is batched across requests (the head's passes are): the policy errs
+    towards smaller trees."""
     def rate(k: int) -> float:
-        return batch * expected_mat(ranks, k) / (batch * draft_s + verify_s(curve, batch * (k + 1)))
+        drafting = 0.0 if (k == 0 and idle_at_zero) else batch * draft_s
+        return batch * expected_mat(ranks, k) / (drafting + verify_s(curve, batch * (k + 1)))
 
     return max(range(budget + 1), key=rate)
 
@@ -68,7 +73,8 @@ class BatchBudget:
         self._memo: dict[tuple, int] = {}
 
     def calibration(self, config: dict) -> tuple | None:
-        """(accepted ranks, draft seconds per step) of a request's method, or None without a calibration."""
+        """(accepted ranks, draft seconds per step, idle at K = 0) of a request's method, or None without a
+        calibration."""
         method = config.get("method")
         if method not in CALIBRATED:
             return None
@@ -79,7 +85,8 @@ class BatchBudget:
                 opts.setdefault("drafter", "eagle")
                 cal, _ = find_calibration(opts, self.model, required=True)
                 draft_s = cal.draft_s * draft_share(method, opts["drafter"], cal)
-                self._cal[key] = (cal.accepted_ranks, draft_s) if cal.accepted_ranks else None
+                idle = opts["drafter"] == "eagle"  # the head skips budget-0 steps (eagle/drafter.py, DEFER_MAX)
+                self._cal[key] = (cal.accepted_ranks, draft_s, idle) if cal.accepted_ranks else None
             except Exception:  # noqa: BLE001 -- no usable calibration: fall back to the knee rule
                 self._cal[key] = None
         return self._cal[key]
@@ -90,6 +97,6 @@ class BatchBudget:
         cal = self.calibration(req.config)
         key = (id(cal[0]) if cal else None, req.budget, batch)
         if key not in self._memo:
-            self._memo[key] = batch_budget(self.curve, cal[0], cal[1], req.budget, batch) if cal else \
+            self._memo[key] = batch_budget(self.curve, *cal[:2], req.budget, batch, *cal[2:]) if cal else \
                 max(0, min(req.budget, self.knee // batch - 1))
         return self._memo[key]

@@ -1,0 +1,94 @@
+"""Drafting time per engine step with B requests in flight: batched across requests vs each request alone.
+
+Issue 27's goal: the draft time per step at B = 8 at most 2x the B = 1 draft time. For each method, batch
+size and mode (``batched``: the engine's lockstep driver, one head forward per round for the whole batch;
+``alone``: each request drafted on its own, one after another, as before issue 27), B requests decode GSM8K
+prompts at a fixed budget (no budget policy); only steps with all B in flight count. Cells run interleaved,
+the order rotated each repeat, after a warm-up on a prompt outside the set. Prints the per-step medians and
+writes every step's timings as JSON.
+
+    python scripts/draft_batch_cost.py --model qwen2.5-coder-1.5b --dtype bfloat16 --methods eagle,graft \
+        --batch-sizes 1,8 --budget 7 --repeats 3 --out runs/draft-batch-qwen15.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+from pathlib import Path
+
+from specgraft.engine import Engine
+from specgraft.env import environment
+from specgraft.eval.datasets import load_gsm8k
+from specgraft.eval.harness import WARMUP_PROMPT
+
+
+def one_cell(engine: Engine, method: str, prompts: list[str], batch: int, batched: bool, budget: int,
+             max_new_tokens: int) -> list[dict]:
+    """Every step with all ``batch`` requests in flight: its drafting seconds (propose + observe) and head
+    seconds."""
+    engine.batch_drafts = batched
+    for p in prompts[:batch]:
+        engine.add_request(p, method, max_new_tokens=max_new_tokens, budget=budget)
+    steps = []
+    while engine.has_unfinished():
+        full = len(engine.active) == batch
+        before = engine.totals.draft_s, engine.totals.draft_forward_s
+        engine.step()
+        if full:
+            steps.append({"draft_s": engine.totals.draft_s - before[0],
+                          "head_s": engine.totals.draft_forward_s - before[1]})
+    engine.batch_drafts = True
+    return steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--backend", default="transformers")
+    ap.add_argument("--methods", default="eagle,graft")
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--budget", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--out", default="runs/draft-batch.json")
+    args = ap.parse_args()
+    engine = Engine(args.model, args.dtype, backend=args.backend)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    questions = [item.turns[0] for item in load_gsm8k()[::40]]
+    cells = [(m, b, mode) for m in args.methods.split(",") for b in sizes
+             for mode in (("batched", "alone") if b > 1 else ("batched",))]
+    for m in args.methods.split(","):  # warm-up outside the set
+        for p in (WARMUP_PROMPT,) * 2:
+            engine.add_request(p, m, max_new_tokens=16, budget=args.budget)
+        engine.run()
+    steps: dict[str, list[dict]] = {f"{m} B={b} {mode}": [] for m, b, mode in cells}
+    for rep in range(args.repeats):
+        order = cells[rep % len(cells):] + cells[: rep % len(cells)]
+        for m, b, mode in order:
+            start = (rep * max(sizes)) % len(questions)
+            prompts = (questions[start:] + questions[:start])[:b]
+            got = one_cell(engine, m, prompts, b, mode == "batched", args.budget, args.max_new_tokens)
+            steps[f"{m} B={b} {mode}"].extend(got)
+            print(f"repeat {rep} {m} B={b} {mode}: {len(got)} steps, median draft "
+                  f"{1000 * statistics.median(s['draft_s'] for s in got):.1f} ms", flush=True)
+    summary = {k: {"steps": len(v), "draft_ms_median": round(1000 * statistics.median(s["draft_s"] for s in v), 2),
+                   "head_ms_median": round(1000 * statistics.median(s["head_s"] for s in v), 2)}
+               for k, v in steps.items()}
+    print("| cell | steps | draft ms/step (median) | of which head ms |\n|---|---|---|---|")
+    for k, v in summary.items():
+        print(f"| {k} | {v['steps']} | {v['draft_ms_median']} | {v['head_ms_median']} |")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True).stdout.strip())
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "commit": commit, "dirty": dirty,
+                                          "environment": environment(), "summary": summary, "steps": steps},
+                                         indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""EAGLE-3 drafting batched across requests (eagle/batch.py, core.drafter.drive_all): one head pass per round
+for the whole batch, the same trees as each request drafted alone, lossless outputs, and steps that draft
+nothing not running the head at all."""
+
+import torch
+
+from specgraft.core.backend import TargetBackend
+from specgraft.core.drafter import DraftContext, drive, drive_all
+from specgraft.core.sampling import SamplingParams
+from specgraft.eagle.batch import HeadCall, HeadRunner
+from specgraft.engine import Engine
+from specgraft.registry import make_drafter
+
+from ..conftest import tiny_llama
+from ..engine.test_engine import run
+from .test_head import random_head
+
+PROMPTS = [[1, 2, 3, 4], [9, 9, 2, 7, 7, 3, 1], [5], [3, 1, 4, 1, 5, 9, 2, 6]]
+
+
+class Counting:
+    """Wraps a head's runner: counts its forwards and the units in each."""
+
+    def __init__(self, runner: HeadRunner):
+        self.real, self.sizes, self.rows = runner.run, [], []
+        runner.run = self
+
+    def __call__(self, units):
+        self.sizes.append(len(units))
+        self.rows.append([u.tokens.numel() for u in units])
+        return self.real(units)
+
+
+def test_ragged_units_in_one_pass_equal_each_alone():
+    """Units of different lengths, caches and masks, some through fc, some with logits: the batched pass
+    returns what each unit gets alone."""
+    target = tiny_llama(vocab=16, layers=4)
+    head = random_head(target, list(range(16)))
+    runner = HeadRunner.of(head)
+    owner = type("Owner", (), {"forward_s": 0.0})()
+    torch.manual_seed(0)
+    H, nkv, d = 32, head.config.num_key_value_heads, head.config.head_dim
+    calls = []
+    for t, s, fuse in ((3, 0, True), (1, 5, False), (4, 9, True), (2, 2, False)):
+        past = None if s == 0 else (torch.randn(1, nkv, s, d), torch.randn(1, nkv, s, d))
+        bias = None
+        if not fuse:  # a tree level: each row sees the cache and itself only
+            bias = torch.zeros(1, 1, t, s + t)
+            bias[0, 0, :, s:] = float("-inf")
+            bias[0, 0, :, s:].fill_diagonal_(0)
+        calls.append(HeadCall(runner, owner, torch.randn(t, 3 * H if fuse else H), fuse, torch.randint(0, 16, (t,)),
+                              torch.arange(s, s + t), past, bias, slice(-1, None) if fuse else slice(None)))
+    together = runner.run(calls)
+    for call, got in zip(calls, together):
+        (alone,) = runner.run([call])
+        for a, b in ((got.h, alone.h), (got.k, alone.k), (got.v, alone.v), (got.logp, alone.logp)):
+            assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+    assert together[0].logp.shape == (1, 16) and together[1].logp.shape == (1, 16)
+    assert owner.forward_s > 0
+
+
+def test_batched_trees_equal_solo_trees_and_run_one_pass_per_round():
+    """Four EAGLE drafters on one head at the same state: drive_all proposes the trees each proposes alone,
+    with one head forward per round (extend, then one per level) instead of one per request and round."""
+    target = tiny_llama(vocab=16, layers=4, scale=4.0)
+    backend = TargetBackend(target)
+    head = random_head(target, [0, 1, 2, 3, 5, 8, 13, 15])
+    proto = make_drafter("eagle", 16, target=target, head=head, top_k=3, depth=4)
+    solo, batched = [], []
+    for p in PROMPTS:
+        pre = backend.prefill(torch.tensor(p), False, proto.hidden_layers)
+        for group in (solo, batched):
+            d = proto.fork()
+            d.start(p, None, pre.hidden)
+            group.append(d)
+        backend.reset()
+    counter = Counting(proto.runner)
+    ctxs = [DraftContext([*p, 7], 6, SamplingParams()) for p in PROMPTS]  # the prefill emitted 7
+    alone = [drive(d.propose_steps(c)) for d, c in zip(solo, ctxs)]
+    assert len(counter.sizes) == 4 * 5 and set(counter.sizes) == {1}  # extend + 4 levels, per request
+    counter.sizes.clear()
+    together, spent = drive_all([d.propose_steps(c) for d, c in zip(batched, ctxs)])
+    assert counter.sizes == [4] * 5  # every round: one forward for the four requests
+    for a, b in zip(alone, together):
+        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+        assert a.size == 7
+    assert all(s > 0 for s in spent)
+
+
+def test_engine_drafts_the_batch_in_one_pass_per_round_and_stays_lossless():
+    """In the engine: four EAGLE requests share each round's head forward; outputs equal AR's."""
+    target = tiny_llama(vocab=16, layers=4, scale=4.0)
+    backend = TargetBackend(target)
+    head = random_head(target, [0, 1, 2, 3, 5, 8, 13, 15])
+    refs = [run(backend, make_drafter("ar", 16), p, SamplingParams(), 30, 0)[0] for p in PROMPTS]
+    engine = Engine.from_model(target, None)
+    engine.eos_ids = set()
+    proto = make_drafter("eagle", 16, target=target, head=head, top_k=3, depth=4)
+    counter = Counting(proto.runner)
+    ids = [engine.add_request(p, drafter=proto.fork(), max_new_tokens=30, budget=6) for p in PROMPTS]
+    engine.step()  # first tokens, and the first step with all four in flight
+    assert counter.sizes == [4] * 5
+    results = engine.run()
+    for rid, ref in zip(ids, refs):
+        assert results[rid].token_ids == ref
+        assert results[rid].stats.mat > 1.0 and results[rid].stats.draft_s > 0
+
+
+def test_steps_that_draft_nothing_leave_the_head_idle_and_feed_it_later():
+    """Budget 0 (the scheduler's policy under load): no head forward; the waiting features are fed in one
+    pass the next time the request drafts, and the output still equals AR's."""
+    target = tiny_llama(vocab=16, layers=4, scale=4.0)
+    backend = TargetBackend(target)
+    head = random_head(target, [0, 1, 2, 3, 5, 8, 13, 15])
+    ref = run(backend, make_drafter("ar", 16), PROMPTS[1], SamplingParams(), 40, 0)[0]
+    engine = Engine.from_model(target, None)
+    engine.eos_ids = set()
+    proto = make_drafter("eagle", 16, target=target, head=head, top_k=3, depth=4)
+    counter = Counting(proto.runner)
+    schedule, drawn = iter([0, 0, 0] + [6, 0, 0] * 20), []
+    engine.budget_policy = lambda req, batch: drawn.append(next(schedule)) or drawn[-1]
+    rid = engine.add_request(PROMPTS[1], drafter=proto.fork(), max_new_tokens=40, budget=6)
+    engine.step()
+    engine.step()
+    engine.step()  # three steps at budget 0 (the first emits the prefill's token too)
+    assert counter.sizes == []
+    engine.step()  # budget 6: one extend feeds the prompt's pairs and the three waiting steps' at once
+    assert counter.rows[0] == [len(PROMPTS[1]) + 3] and len(counter.rows) == 5
+    result = engine.run()[rid]
+    assert result.token_ids == ref
+    assert len(counter.rows) == 5 * drawn.count(6)  # extend + 4 levels per drafting step; none at budget 0
+    extends = [r[0] for r in counter.rows[::5]]
+    after_last_draft = result.stats.committed[-(drawn[::-1].index(6) + 1):]  # tokens of that step and after
+    assert sum(extends) == len(PROMPTS[1]) + 40 - sum(after_last_draft) - 1  # every pair fed exactly once
