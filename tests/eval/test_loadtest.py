@@ -14,6 +14,7 @@ def test_request_body_from_a_method_spec():
     assert body["method"] == "graft" and body["budget"] == 7 and body["options"] == {"drafter": "draft-tree"}
     assert body["temperature"] == 0 and body["stream"] and body["max_tokens"] == 32
     assert "budget" not in request_body("ar", "hi", 8) and "options" not in request_body("ar", "hi", 8)
+    assert "method" not in request_body("auto", "hi", 8)  # the server's default (its --method auto choice)
 
 
 def records():

@@ -25,11 +25,14 @@ WARMUP_PROMPT = "Write two sentences about lighthouses."  # in no dataset we eva
 
 
 def request_body(spec: str, prompt: str, max_tokens: int) -> dict:
-    """``"graft:budget=7"`` -> the request's method, budget and options (greedy, fixed length)."""
+    """``"graft:budget=7"`` -> the request's method, budget and options (greedy, fixed length). ``"auto"``
+    names no method: the server's default, i.e. its ``--method auto`` choice when started with it."""
     opts = parse_method(spec)
     method, budget = opts.pop("name"), opts.pop("budget", None)
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "method": method}
+            "stream": True, "stream_options": {"include_usage": True}}
+    if method != "auto":
+        body["method"] = method
     if budget is not None:
         body["budget"] = budget
     if opts:
