@@ -98,6 +98,11 @@ class Engine:
         # Drafters on one model (an EAGLE head) draft the whole batch in one forward per round; False drafts
         # each request alone, one after another (the pre-issue-27 path, kept for measuring the difference).
         self.batch_drafts = True
+        # A sampled request's tree decides which random draws it consumes, and a batched head pass can round
+        # differently from a lone one (another matrix shape), so a sampled request drafts alone: a seeded
+        # request's text is then the same whatever runs beside it. False batches it too (its distribution is
+        # still exactly the target's; its text may depend on its neighbours). Greedy output never depends on it.
+        self.batch_invariant = True
 
     # -- what the backend declares --------------------------------------------------------------------------
     @property
@@ -314,11 +319,14 @@ class Engine:
         for r in self.active:
             budget = r.budget if self.budget_policy is None else min(r.budget, self.budget_policy(r, batch))
             steps.append(steps_of(r.drafter, DraftContext(r.ids, budget, r.params)))
-        if self.batch_drafts:
-            proposals, spent = drive_all(steps)
-        else:
-            alone = [drive_all([s]) for s in steps]
-            proposals, spent = [a[0][0] for a in alone], [a[1][0] for a in alone]
+        proposals, spent = [None] * batch, [0.0] * batch
+        shared = [i for i, r in enumerate(self.active)
+                  if self.batch_drafts and (r.params.greedy or not self.batch_invariant)]
+        groups = [shared] + [[i] for i in range(batch) if i not in set(shared)]
+        for group in groups:  # a sampled request drafts alone (batch invariance, see __init__)
+            got, secs = drive_all([steps[i] for i in group])
+            for i, p, t in zip(group, got, secs):
+                proposals[i], spent[i] = p, t
         trees = []
         for r, proposal, seconds in zip(list(self.active), proposals, spent):
             r.stats.draft_s += seconds

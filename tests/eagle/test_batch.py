@@ -132,3 +132,47 @@ def test_steps_that_draft_nothing_leave_the_head_idle_and_feed_it_later():
     extends = [r[0] for r in counter.rows[::5]]
     after_last_draft = result.stats.committed[-(drawn[::-1].index(6) + 1):]  # tokens of that step and after
     assert sum(extends) == len(PROMPTS[1]) + 40 - sum(after_last_draft) - 1  # every pair fed exactly once
+
+
+def test_sampled_requests_draft_alone_unless_batch_invariance_is_off():
+    """Batch invariance (engine.batch_invariant, on by default): a sampled request's head passes never share a
+    forward (its tree, hence its random draws, must not depend on its neighbours' rounding); greedy requests
+    share. Off: all share. Outputs stay lossless either way."""
+    target = tiny_llama(vocab=16, layers=4, scale=4.0)
+    head = random_head(target, [0, 1, 2, 3, 5, 8, 13, 15])
+    proto = make_drafter("eagle", 16, target=target, head=head, top_k=3, depth=4)
+    counter = Counting(proto.runner)
+    sampled = SamplingParams(temperature=1.0, seed=3)
+    for invariant, expected in ((True, [2, 1] * 5), (False, [3] * 5)):
+        engine = Engine.from_model(target, None)
+        engine.eos_ids = set()
+        engine.batch_invariant = invariant
+        for p, params in zip(PROMPTS, (SamplingParams(), SamplingParams(), sampled)):
+            engine.add_request(p, drafter=proto.fork(), sampling=params, max_new_tokens=20, budget=6)
+        counter.sizes.clear()
+        engine.step()
+        assert sorted(counter.sizes, reverse=True) == sorted(expected, reverse=True), invariant
+        engine.run()
+
+
+def test_waiting_features_are_fed_once_defer_max_rows_wait(monkeypatch):
+    """At budget 0 the head stays idle until DEFER_MAX rows wait; then it feeds them (no draft logits) and the
+    output still equals AR's."""
+    import specgraft.eagle.drafter as eagle_drafter
+
+    monkeypatch.setattr(eagle_drafter, "DEFER_MAX", 3)
+    target = tiny_llama(vocab=16, layers=4, scale=4.0)
+    backend = TargetBackend(target)
+    head = random_head(target, [0, 1, 2, 3, 5, 8, 13, 15])
+    ref = run(backend, make_drafter("ar", 16), PROMPTS[2], SamplingParams(), 20, 0)[0]
+    engine = Engine.from_model(target, None)
+    engine.eos_ids = set()
+    proto = make_drafter("eagle", 16, target=target, head=head, top_k=3, depth=4)
+    counter = Counting(proto.runner)
+    engine.budget_policy = lambda req, batch: 0
+    rid = engine.add_request(PROMPTS[2], drafter=proto.fork(), max_new_tokens=20, budget=6)
+    result = engine.run()[rid]
+    assert result.token_ids == ref
+    # a one-token prompt: 1, 2, then 3 waiting rows -> fed; then every third step feeds 3 rows
+    assert counter.rows and all(r == [3] for r in counter.rows)
+    assert len(counter.rows) == (len(PROMPTS[2]) + 19 - 1) // 3

@@ -2,18 +2,30 @@
 
 from types import SimpleNamespace
 
-from specgraft.serve.policy import BatchBudget, batch_budget, knee, monotone, verify_s
+from specgraft.serve.policy import BatchBudget, batch_budget, knee, verify_s
 
 FLAT_THEN_LINEAR = {1: 0.10, 2: 0.10, 4: 0.10, 8: 0.11, 16: 0.12, 32: 0.20, 64: 0.40}
 # Every step accepts the nodes of score rank 0, 1 and 3: MAT(K) = 1 + #ranks below K.
 RANKS = [[0, 1, 3]] * 10
 
 
-def test_monotone_and_extrapolation():
-    noisy = {1: 0.1, 2: 0.09, 4: 0.12, 8: 0.11}
-    assert monotone(noisy) == {1: 0.1, 2: 0.1, 4: 0.12, 8: 0.12}
+# llama.cpp-like: its x86 GEMM runs on blocks of 4 rows, so 3 rows cost more than 4 (issue 26's Intel curve)
+BLOCKED = {1: 0.080, 2: 0.116, 3: 0.148, 4: 0.131, 5: 0.200, 6: 0.210, 7: 0.220, 8: 0.180, 16: 0.300}
+
+
+def test_extrapolation_and_knee():
     assert verify_s(FLAT_THEN_LINEAR, 128) == 0.80 and verify_s(FLAT_THEN_LINEAR, 24) == 0.16
     assert knee(FLAT_THEN_LINEAR) == 16 and knee({1: 0.1, 2: 0.2}) == 1
+
+
+def test_trees_land_on_the_end_of_a_cheap_block():
+    """Ranks 0 and 1 accepted: MAT(K) = 1 + min(K, 2). A 3-row forward is dearer than a 4-row one on the blocked
+    curve, so alone K = 3 (4 rows) beats K = 2 (3 rows) at the same MAT; two requests fill 8 rows (K = 3), the
+    next cheap block, rather than 6."""
+    ranks = [[0, 1]] * 10
+    assert batch_budget(BLOCKED, ranks, 0.0, 9, 1) == 3
+    assert batch_budget(BLOCKED, ranks, 0.0, 9, 2) == 3
+    assert batch_budget(BLOCKED, ranks, 0.0, 2, 1) == 2  # never above the request's budget
 
 
 def test_budget_shrinks_as_the_batch_grows():

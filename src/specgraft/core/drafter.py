@@ -66,7 +66,7 @@ class Drafter(Protocol):
 class Work(Protocol):
     """One unit of a drafter's model work (an EAGLE head pass over some rows) handed out so that several
     requests' units run in ONE forward: units sharing a ``runner`` run together, ``runner.run(units)`` returning
-    one result per unit, in order."""
+    one result per unit, in order. ``weight`` (optional, default 1): its share of a batched run's time."""
 
     runner: Any
 
@@ -105,7 +105,7 @@ def drive_all(all_steps: list[ProposeSteps]) -> tuple[list[Any], list[float]]:
     """Run many requests' steps in lockstep: each round, every pending unit of one runner goes into one
     ``runner.run`` call (ragged rows, whatever level each request is at). Returns, per request, its tree or
     the exception that ended it (one request's failure never ends another's), and the seconds it spent: its
-    own host work plus an equal share of each batched run it took part in.
+    own host work plus its share (by ``weight``) of each batched run it took part in.
 
     A batched run that raises is retried unit by unit, so only the units that fail alone fail."""
     n = len(all_steps)
@@ -135,16 +135,21 @@ def drive_all(all_steps: list[ProposeSteps]) -> tuple[list[Any], list[float]]:
             start = time.perf_counter()
             try:
                 results = units[0].runner.run(units)
+                if len(results) != len(units):
+                    raise RuntimeError(f"{type(units[0].runner).__name__} returned {len(results)} results for "
+                                       f"{len(units)} units")
             except Exception:  # noqa: BLE001 -- find which unit fails: run each alone
                 results = []
                 for unit in units:
                     try:
-                        results.append(unit.runner.run([unit])[0])
+                        (alone,) = unit.runner.run([unit])
+                        results.append(alone)
                     except Exception as err:  # noqa: BLE001
                         results.append(err)
-            share = (time.perf_counter() - start) / len(members)
-            for i, result in zip(members, results):
-                spent[i] += share
+            elapsed = time.perf_counter() - start
+            weights = [getattr(u, "weight", 1) for u in units]
+            for i, result, w in zip(members, results, weights):
+                spent[i] += elapsed * w / sum(weights)
                 if isinstance(result, Exception):
                     out[i] = result
                     all_steps[i].close()

@@ -5,7 +5,7 @@ tokens, positions, its own head KV cache and visibility mask. :meth:`HeadRunner.
 (ragged: each request has its own count) through the head's linear layers once -- ``fc``, q/k/v, ``o_proj``, the
 MLP and the draft ``lm_head``, where the time goes -- and runs attention per unit against that unit's own cache::
 
-    rows      [T_1 | T_2 | ... | T_B]           one matrix through fc, qkv, o_proj, mlp, lm_head
+        rows      [T_1 | T_2 | ... | T_B]           one matrix through fc, qkv, o_proj, mlp, lm_head
     attention unit b: q_b over (past_b, k_b) with bias_b         (each request's cache has its own length)
 
 A unit alone (B = 1) is the same code, so a request drafts the same tree alone or batched, up to float
@@ -15,7 +15,6 @@ rounding of a different matrix shape; verification keeps the output lossless eit
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +39,11 @@ class HeadCall:
     bias: torch.Tensor | None
     logit_rows: slice | None
 
+    @property
+    def weight(self) -> int:
+        """Its share of a batched run's time (``core.drafter.drive_all``, ``forward_s``): its rows."""
+        return self.tokens.numel()
+
 
 @dataclass
 class HeadResult:
@@ -52,16 +56,15 @@ class HeadResult:
 class HeadRunner:
     """The one runner of a head: every drafter on the same head object batches with every other."""
 
-    _of: "weakref.WeakKeyDictionary[Eagle3Head, HeadRunner]" = weakref.WeakKeyDictionary()
-
     def __init__(self, head: Eagle3Head):
         self.head = head
 
     @classmethod
     def of(cls, head: Eagle3Head) -> "HeadRunner":
-        if head not in cls._of:
-            cls._of[head] = cls(head)
-        return cls._of[head]
+        """Kept on the head itself, so it lives and dies with it."""
+        if getattr(head, "_batch_runner", None) is None:
+            head._batch_runner = cls(head)
+        return head._batch_runner
 
     @torch.inference_mode()
     def run(self, calls: list[HeadCall]) -> list[HeadResult]:
@@ -81,10 +84,10 @@ class HeadRunner:
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + n)
-        if len(calls) == 1:
-            mixed = head.attend(q, k, v, calls[0].past, calls[0].bias)
-        else:
-            mixed = padded_attention(head, calls, q, k, v, offsets)
+        # Attention per unit, against its own cache: padding every unit to the longest would cost B * T_max *
+        # (S_max + T_max) (a new request's whole prompt beside one-row neighbours), and measured no faster.
+        mixed = torch.cat([head.attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], c.past, c.bias)
+                           for c, a, b in zip(calls, offsets, offsets[1:])], 1)
         h = head.midlayer.finish(feat, attn.o_proj(mixed))[0]  # [T, H]
         per_call = [h[a:b] for a, b in zip(offsets, offsets[1:])]
         wanted = [i for i, c in enumerate(calls) if c.logit_rows is not None]
@@ -100,35 +103,3 @@ class HeadRunner:
             c.owner.forward_s += elapsed * n / total
         return out
 
-
-def padded_attention(head: Eagle3Head, calls: list[HeadCall], q, k, v, offsets: list[int]) -> torch.Tensor:
-    """Every unit's attention in one batched product: unit b's queries (padded to the longest unit) over its
-    own cache and new keys (padded to the longest cache), padding masked out. Returns ``[1, T, nh*d]``, the
-    units' rows in order (as ``head.attend`` per unit would, up to float rounding)."""
-    attn = head.midlayer.self_attn
-    B, nkv, d = len(calls), k.shape[1], k.shape[3]
-    lens = [b - a for a, b in zip(offsets, offsets[1:])]
-    pasts = [0 if c.past is None else c.past[0].shape[2] for c in calls]
-    T, S = max(lens), max(pasts)
-    keys = k.new_zeros(B, nkv, S + T, d)
-    values = v.new_zeros(B, nkv, S + T, d)
-    queries = q.new_zeros(B, q.shape[1], T, d)
-    bias = torch.full((B, 1, T, S + T), float("-inf"), dtype=q.dtype)
-    bias[:, 0, :, 0] = 0  # padding rows see one (zero) key: finite, and discarded below
-    for b, (c, n, s, at) in enumerate(zip(calls, lens, pasts, offsets)):
-        queries[b, :, :n] = q[0, :, at: at + n]
-        keys[b, :, S: S + n], values[b, :, S: S + n] = k[0, :, at: at + n], v[0, :, at: at + n]
-        if s:
-            keys[b, :, :s], values[b, :, :s] = c.past[0][0], c.past[1][0]
-        if c.bias is not None:
-            own = c.bias.reshape(n, s + n)
-        else:  # causal over the new rows, the whole cache visible
-            own = torch.zeros(n, s + n, dtype=q.dtype)
-            own[:, s:] = torch.full((n, n), float("-inf"), dtype=q.dtype).triu(1)
-        bias[b, 0, :n, :s] = own[:, :s]
-        bias[b, 0, :n, S: S + n] = own[:, s:]
-        if s == 0 and S > 0:
-            bias[b, 0, :n, 0] = float("-inf")  # column 0 is padding for a unit without a cache
-    p = torch.softmax((attn.scores(queries, keys) + bias).float(), -1).to(q.dtype)
-    out = attn.weighted(p, values)  # [B, T, nh*d]
-    return torch.cat([out[b, :n] for b, n in enumerate(lens)]).unsqueeze(0)

@@ -7,8 +7,9 @@ step with B >= 2 requests, each request's budget becomes
 
     K*(B) = argmax_{0 <= K <= budget}  B * MAT(K) / (B * draft_s [0 at K = 0 for EAGLE heads] + verify_s(B * (K + 1)))
 
-with ``verify_s`` this machine's measured latency curve (``costs.py``, made non-decreasing; proportional to
-the width beyond the widest measurement) read at the batch's total slots and
+with ``verify_s`` this machine's measured latency curve (``costs.py``, every width 1..64; proportional to the
+width beyond) taken as measured, not smoothed: llama.cpp's x86 GEMM runs on blocks of 4 rows, so a 3-row
+forward can cost more than a 4-row one, and the argmax then lands the batch's trees on the end of a cheap block) read at the batch's total slots and
 ``MAT(K)`` replayed from the method's calibration (eagle / graft / prune), as ``--budget auto`` does for one
 request. Methods without a calibration (pld, recycle, draft) keep their trees inside the curve's cheap region:
 ``K = min(budget, knee // B - 1)``, ``knee`` the widest forward costing at most 25% more than one token.
@@ -31,15 +32,6 @@ CALIBRATED = ("eagle", "graft", "prune")
 def knee(curve: dict[int, float], slack: float = 1.25) -> int:
     base = curve[min(curve)]
     return max(w for w, s in curve.items() if s <= slack * base)
-
-
-def monotone(curve: dict[int, float]) -> dict[int, float]:
-    """The measured curve made non-decreasing (a wider forward never costs less; medians of 3 are noisy)."""
-    out, best = {}, 0.0
-    for w in sorted(curve):
-        best = max(best, curve[w])
-        out[w] = best
-    return out
 
 
 def verify_s(curve: dict[int, float], width: int) -> float:
@@ -66,7 +58,7 @@ class BatchBudget:
     """``engine.budget_policy``: built once on an idle engine (measuring the latency curve if not cached)."""
 
     def __init__(self, engine):
-        self.curve = monotone(latency_curve(engine))
+        self.curve = latency_curve(engine)  # as measured: see the module docstring
         self.knee = knee(self.curve)
         self.model = engine.model_name
         self._cal: dict[tuple, tuple | None] = {}
