@@ -206,6 +206,7 @@ def test_batched_requests_equal_solo_fp32_join_and_abort(smollm2_engine):
     """The engine with several requests in flight (mixed methods, two joining mid-flight, one aborted) gives each
     request its solo output token for token (fp32; a divergence is allowed only at an exact tie)."""
     engine = smollm2_engine
+    assert engine.budget_policy is None  # the trees are the requests' own (no server's policy left behind)
     plan = [(PROMPTS[0], "eagle", {}), (PROMPTS[1], "graft", {"budget": 15}), (PROMPTS[2], "recycle", {}),
             (PROMPTS[4], "pld", {}), (PROMPTS[7], "ar", {}), (COPY_PROMPTS[0], "graft", {"budget": 15})]
     solo = [engine.generate(p, m, max_new_tokens=64, **o) for p, m, o in plan]

@@ -127,8 +127,8 @@ def test_context_candidates_are_offered_accepted_and_exact_greedy():
     # A head expected to accept nothing: every step with a match skips the expansion; still exact
     first = _unsure_graft(target, 16, head_expected=[0.0] * 64)
     budgets = []  # what the head was asked to draft each step (0 = take in the accepted tokens, no expansion)
-    real_draft = first.inner.draft
-    first.inner.draft = lambda ctx, gate=None: budgets.append(ctx.budget) or real_draft(ctx, gate)
+    real_draft = first.inner.draft_steps  # Graft drafts through its inner drafter's steps
+    first.inner.draft_steps = lambda ctx, gate=None: budgets.append(ctx.budget) or real_draft(ctx, gate)
     out_first, st_first = run(backend, first, prompt, SamplingParams(), 48, 12)
     assert out_first == ref
     hist = first.describe()["stage_histogram"]

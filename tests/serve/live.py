@@ -30,7 +30,8 @@ class _Uvicorn(uvicorn.Server):
 
 class Live:
     """``with Live(server) as url:`` serves ``create_app(server)`` on a free port until the block ends; the
-    engine thread is stopped and every request still in the engine aborted afterwards."""
+    engine thread is stopped, every request still in the engine aborted and the server's budget policy taken off
+    the engine afterwards."""
 
     def __init__(self, server: Server):
         self.server, self.port = server, free_port()
@@ -56,3 +57,4 @@ class Live:
         for r in list(engine.active):  # leave the shared engine clean for other tests
             engine.abort(r.id)
         engine.step()
+        engine.budget_policy = None  # the server's scheduler policy must not shrink later tests' trees
