@@ -322,7 +322,7 @@ class Engine:
         proposals, spent = [None] * batch, [0.0] * batch
         shared = [i for i, r in enumerate(self.active)
                   if self.batch_drafts and (r.params.greedy or not self.batch_invariant)]
-        groups = [shared] + [[i] for i in range(batch) if i not in set(shared)]
+        groups = [shared] + [[i] for i in sorted(set(range(batch)) - set(shared))]
         for group in groups:  # a sampled request drafts alone (batch invariance, see __init__)
             got, secs = drive_all([steps[i] for i in group])
             for i, p, t in zip(group, got, secs):

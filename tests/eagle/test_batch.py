@@ -31,6 +31,18 @@ class Counting:
         return self.real(units)
 
 
+def solo_and_engine(prompt, n):
+    """AR's output for ``prompt`` (the reference), an engine on the same tiny target, and a counted EAGLE
+    prototype on a random head."""
+    target = tiny_llama(vocab=16, layers=4, scale=4.0)
+    head = random_head(target, [0, 1, 2, 3, 5, 8, 13, 15])
+    ref = run(TargetBackend(target), make_drafter("ar", 16), prompt, SamplingParams(), n, 0)[0]
+    engine = Engine.from_model(target, None)
+    engine.eos_ids = set()
+    proto = make_drafter("eagle", 16, target=target, head=head, top_k=3, depth=4)
+    return ref, engine, proto, Counting(proto.runner)
+
+
 def test_ragged_units_in_one_pass_equal_each_alone():
     """Units of different lengths, caches and masks, some through fc, some with logits: the batched pass
     returns what each unit gets alone."""
@@ -109,14 +121,7 @@ def test_engine_drafts_the_batch_in_one_pass_per_round_and_stays_lossless():
 def test_steps_that_draft_nothing_leave_the_head_idle_and_feed_it_later():
     """Budget 0 (the scheduler's policy under load): no head forward; the waiting features are fed in one
     pass the next time the request drafts, and the output still equals AR's."""
-    target = tiny_llama(vocab=16, layers=4, scale=4.0)
-    backend = TargetBackend(target)
-    head = random_head(target, [0, 1, 2, 3, 5, 8, 13, 15])
-    ref = run(backend, make_drafter("ar", 16), PROMPTS[1], SamplingParams(), 40, 0)[0]
-    engine = Engine.from_model(target, None)
-    engine.eos_ids = set()
-    proto = make_drafter("eagle", 16, target=target, head=head, top_k=3, depth=4)
-    counter = Counting(proto.runner)
+    ref, engine, proto, counter = solo_and_engine(PROMPTS[1], 40)
     schedule, drawn = iter([0, 0, 0] + [6, 0, 0] * 20), []
     engine.budget_policy = lambda req, batch: drawn.append(next(schedule)) or drawn[-1]
     rid = engine.add_request(PROMPTS[1], drafter=proto.fork(), max_new_tokens=40, budget=6)
@@ -161,14 +166,7 @@ def test_waiting_features_are_fed_once_defer_max_rows_wait(monkeypatch):
     import specgraft.eagle.drafter as eagle_drafter
 
     monkeypatch.setattr(eagle_drafter, "DEFER_MAX", 3)
-    target = tiny_llama(vocab=16, layers=4, scale=4.0)
-    backend = TargetBackend(target)
-    head = random_head(target, [0, 1, 2, 3, 5, 8, 13, 15])
-    ref = run(backend, make_drafter("ar", 16), PROMPTS[2], SamplingParams(), 20, 0)[0]
-    engine = Engine.from_model(target, None)
-    engine.eos_ids = set()
-    proto = make_drafter("eagle", 16, target=target, head=head, top_k=3, depth=4)
-    counter = Counting(proto.runner)
+    ref, engine, proto, counter = solo_and_engine(PROMPTS[2], 20)
     engine.budget_policy = lambda req, batch: 0
     rid = engine.add_request(PROMPTS[2], drafter=proto.fork(), max_new_tokens=20, budget=6)
     result = engine.run()[rid]

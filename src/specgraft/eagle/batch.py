@@ -5,7 +5,7 @@ tokens, positions, its own head KV cache and visibility mask. :meth:`HeadRunner.
 (ragged: each request has its own count) through the head's linear layers once -- ``fc``, q/k/v, ``o_proj``, the
 MLP and the draft ``lm_head``, where the time goes -- and runs attention per unit against that unit's own cache::
 
-        rows      [T_1 | T_2 | ... | T_B]           one matrix through fc, qkv, o_proj, mlp, lm_head
+    rows      [T_1 | T_2 | ... | T_B]           one matrix through fc, qkv, o_proj, mlp, lm_head
     attention unit b: q_b over (past_b, k_b) with bias_b         (each request's cache has its own length)
 
 A unit alone (B = 1) is the same code, so a request drafts the same tree alone or batched, up to float
