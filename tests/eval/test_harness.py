@@ -151,3 +151,36 @@ def test_methods_on_other_weights_run_in_the_same_interleaved_run(tmp_path):
     assert "dtype" not in by["ar"]["spec"] and by["ar-bf16"]["spec"]["dtype"] == "bfloat16"
     with pytest.raises(SpecgraftError, match="no option"):
         expand_methods([{"name": "ar", "weights": "int4"}])
+
+
+def test_batched_groups_equal_the_sequential_run_and_resume(tmp_path, tiny_engine):
+    """``batch = 2``: each method runs two conversations in flight (a two-turn one's second turn joins when its
+    first ends); fp32 greedy gives the sequential run's tokens; records carry their group; an interrupted group
+    resumes by its missing conversations only; a bad ``batch`` is refused."""
+    seq, bat = make_cfg(tmp_path), make_cfg(tmp_path)
+    bat.batch = 2
+    run_harness(seq, str(tmp_path / "seq.jsonl"), engine=tiny_engine, log=lambda m: None)
+    out = tmp_path / "bat.jsonl"
+    assert run_harness(bat, str(out), engine=tiny_engine, log=lambda m: None) == {"ran": 12, "skipped": 0,
+                                                                                 "total": 12}
+    key = lambda r: (r["prompt_id"], r["label"], r["turn"])  # noqa: E731
+    want = {key(r): r["output_ids"] for r in read_records(tmp_path / "seq.jsonl")[0]}
+    recs = read_records(out)[0]
+    assert {key(r): r["output_ids"] for r in recs} == want
+    assert {(r["prompt_id"], r["batch"]["group"], r["batch"]["in_flight"]) for r in recs} == {
+        ("one", 0, 2), ("two", 0, 2), ("three", 1, 1)}
+    for r in recs:
+        same = [x for x in recs if x["label"] == r["label"] and x["batch"]["group"] == r["batch"]["group"]]
+        assert r["batch"]["new_tokens"] == sum(x["new_tokens"] for x in same) and r["batch"]["wall_s"] > 0
+    assert {r["label"] for r in recs if r["batch"]["group"] == 0} == {"ar", "pld", "recycle:budget=8",
+                                                                       "recycle:budget=80"}
+    # drop one conversation of a group: only it reruns, alone
+    kept = [r for r in recs if not (r["prompt_id"] == "two" and r["label"] == "pld")]
+    out.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    assert run_harness(bat, str(out), engine=tiny_engine, log=lambda m: None)["ran"] == 1
+    again = [r for r in read_records(out)[0] if r["prompt_id"] == "two" and r["label"] == "pld"]
+    assert [r["output_ids"] for r in again] == [want[("two", "pld", 0)]] and again[0]["batch"]["in_flight"] == 1
+    bad = tmp_path / "b.toml"
+    bad.write_text("batch = 0\n")
+    with pytest.raises(SpecgraftError, match="batch must be"):
+        BenchConfig.from_toml(str(bad))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import time
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -80,6 +81,10 @@ class BenchConfig:
     methods: list[dict] = field(default_factory=lambda: [{"name": "pld"}, {"name": "recycle"}])
     score: bool = True
     ar: bool = True  # add the AR baseline (speedups need it; a follow-up run of extra seeds may skip it)
+    # Conversations in flight at once through the one engine loop. ``batch`` consecutive prompts form a group;
+    # each method runs its group's conversations together (the method order rotated per group), so a record's
+    # speed is measured beside neighbours of the same configuration only.
+    batch: int = 1
 
     @staticmethod
     def from_toml(path: str) -> "BenchConfig":
@@ -93,7 +98,10 @@ class BenchConfig:
         unknown = set(raw) - known
         if unknown:
             raise SpecgraftError(f"{path}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
-        return BenchConfig(**raw)
+        cfg = BenchConfig(**raw)
+        if not isinstance(cfg.batch, int) or isinstance(cfg.batch, bool) or cfg.batch < 1:
+            raise SpecgraftError(f"{path}: batch must be an integer >= 1, got {cfg.batch!r}")
+        return cfg
 
     def sampling(self, seed: int) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p, seed)
@@ -230,8 +238,55 @@ def run_conversation(engine, item: Item, spec: MethodSpec, sampling: SamplingPar
     return out
 
 
+@dataclass
+class Conversation:
+    """One conversation of a batched group: its messages so far and one Generation per finished turn."""
+
+    key: tuple  # (seed, dataset, item)
+    messages: list = field(default_factory=list)
+    gens: list = field(default_factory=list)
+
+
+def run_group(engine, jobs: list[tuple[int, str, Item]], spec: MethodSpec, cfg: "BenchConfig",
+              stops: dict) -> tuple[list[Conversation], float]:
+    """Every conversation of ``jobs`` in flight together through the engine loop (a conversation's next turn
+    joins when its previous one finishes); returns them in ``jobs`` order and the group's wall seconds. A
+    request that fails stops the run (it is resumable) with one clear error."""
+    if engine.active:
+        raise SpecgraftError("a batched group needs an idle engine")
+    convs = [Conversation(job) for job in jobs]
+    in_flight: dict[int, Conversation] = {}
+
+    def submit(conv: Conversation) -> None:
+        seed, dname, item = conv.key
+        conv.messages.append({"role": "user", "content": item.turns[len(conv.gens)]})
+        rid = engine.add_request(list(conv.messages), spec.method, sampling=spec.params(cfg.sampling(seed)),
+                                 verify=spec.verify, max_new_tokens=cfg.max_new_tokens, stop=stops[dname],
+                                 **spec.options)
+        in_flight[rid] = conv
+
+    t0 = time.perf_counter()
+    for conv in convs:
+        submit(conv)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if not out.finished:
+                continue
+            conv = in_flight.pop(out.request_id)
+            if out.error or out.result is None:
+                for rid in list(in_flight):
+                    engine.abort(rid)
+                engine.run()
+                raise SpecgraftError(f"{spec.label} on {conv.key[1]} {conv.key[2].id} failed: {out.error}")
+            conv.gens.append(out.result)
+            conv.messages.append({"role": "assistant", "content": out.result.text})
+            if len(conv.gens) < len(conv.key[2].turns):
+                submit(conv)
+    return convs, time.perf_counter() - t0
+
+
 def make_record(cfg: BenchConfig, env: dict, dataset: str, item: Item, spec: MethodSpec, seed: int, turn: int,
-                g, scorer) -> dict:
+                g, scorer, group: dict | None = None) -> dict:
     s = g.stats
     rec = {
         "schema": SCHEMA_VERSION, "dataset": dataset, "prompt_id": item.id, "category": item.category,
@@ -251,6 +306,8 @@ def make_record(cfg: BenchConfig, env: dict, dataset: str, item: Item, spec: Met
         "tree_nodes": s.tree_nodes, "wall_s": s.total_s, "prefill_s": s.prefill_s, "draft_s": s.draft_s,
         "verify_s": s.verify_s, "other_s": s.other_s, "retrieval_state": s.retrieval_state,
     }
+    if group is not None:  # batched: the group this turn ran in, for throughput (wall_s is its own latency)
+        rec["batch"] = group
     if scorer and turn == len(item.turns) - 1:
         rec["quality"] = scorer(item.task, item.reference, g.text)
     return rec
@@ -283,25 +340,41 @@ def run_harness(cfg: BenchConfig, out_path: str, progress=None, log=print, engin
         for _ in range(cfg.warmup):
             engine.generate(WARMUP_PROMPT, spec.method, sampling=spec.params(cfg.sampling(cfg.seeds[0])),
                             verify=spec.verify, max_new_tokens=min(32, cfg.max_new_tokens), **spec.options)
-    total = sum(len(items) for _, items in plan) * len(specs) * len(cfg.seeds)
+    order = run_order(cfg.seeds, plan)
+    total = len(order) * len(specs)
     ran = skipped = 0
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "a", encoding="utf-8") as out:
-        for g, (seed, dname, item) in enumerate(run_order(cfg.seeds, plan)):
-            sampling = cfg.sampling(seed)
-            for spec in rotated(specs, g):
-                if (dname, item.id, spec.label, seed) in complete:
-                    skipped += 1
-                else:
-                    gens = run_conversation(engines[spec.engine_key(cfg)], item, spec, sampling, cfg.max_new_tokens,
-                                            stops[dname])
-                    lines = [json.dumps(make_record(cfg, env, dname, item, spec, seed, t, gen,
-                                                    score if cfg.score else None)) for t, gen in enumerate(gens)]
-                    out.write("\n".join(lines) + "\n")
-                    out.flush()
-                    os.fsync(out.fileno())
-                    ran += 1
+
+        def write(lines: list[str]) -> None:
+            out.write("\n".join(lines) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+
+        for g in range(0, len(order), cfg.batch):
+            chunk = order[g: g + cfg.batch]
+            for spec in rotated(specs, g // cfg.batch):
+                todo = [job for job in chunk if (job[1], job[2].id, spec.label, job[0]) not in complete]
+                skipped += len(chunk) - len(todo)
+                engine = engines[spec.engine_key(cfg)]
+                if cfg.batch == 1:
+                    for seed, dname, item in todo:
+                        gens = run_conversation(engine, item, spec, cfg.sampling(seed), cfg.max_new_tokens,
+                                                stops[dname])
+                        write([json.dumps(make_record(cfg, env, dname, item, spec, seed, t, gen,
+                                                      score if cfg.score else None)) for t, gen in enumerate(gens)])
+                elif todo:
+                    convs, wall = run_group(engine, todo, spec, cfg, stops)
+                    group = {"size": cfg.batch, "group": g // cfg.batch, "in_flight": len(todo), "wall_s": wall,
+                             "new_tokens": sum(gen.stats.new_tokens for c in convs for gen in c.gens)}
+                    for c in convs:
+                        seed, dname, item = c.key
+                        write([json.dumps(make_record(cfg, env, dname, item, spec, seed, t, gen,
+                                                      score if cfg.score else None, group))
+                               for t, gen in enumerate(c.gens)])
+                ran += len(todo)
                 if progress:
+                    seed, dname, item = chunk[-1]
                     progress(ran + skipped, total, f"{dname} {item.id} {spec.label} seed={seed}")
     return {"ran": ran, "skipped": skipped, "total": total}
 
