@@ -23,7 +23,7 @@ from .auto import auto_budget
 from .backend_choice import AUTO, choose_backend
 from .backends import open_backend, transformers_drafts
 from .core.backend import Backend, Capabilities, TargetBackend
-from .core.drafter import DraftContext, Drafter, drive_all, last_occurrences, steps_of
+from .core.drafter import DraftContext, Drafter, drive_all, last_occurrences, release, steps_of
 from .core.sampling import SamplingParams, make_generator
 from .core.stats import Stats
 from .core.tree import Tree
@@ -254,6 +254,7 @@ class Engine:
             if req in self.active:
                 self.backend.remove(self.active.index(req))
                 self.active.remove(req)
+            release(d)
             raise
         self._done.extend(first)
 
@@ -397,6 +398,7 @@ class Engine:
     def _finish(self, req: Request) -> RequestOutput:
         self.backend.remove(self.active.index(req))
         self.active.remove(req)
+        release(req.drafter)
         req.stats.total_s = clock() - req.admitted_at
         req.stats.draft_forward_s = req.drafter.forward_s
         described = req.drafter.describe()

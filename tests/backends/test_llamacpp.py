@@ -289,3 +289,33 @@ def test_serving_reserves_sequence_ids_and_cells(engine, monkeypatch):
     assert engine.backend.rows == 0 and engine.reserved() == {}
     need = engine.backend.reservation(40, 6, 80)
     assert need == {"kv_cells": 40 + 6 + 81, "seq_ids": 81} and engine.backend.capacity()["seq_ids"] == 255
+
+
+def test_draft_chains_share_one_context_across_requests(engine, monkeypatch):
+    """Draft-model chains on llama.cpp feed ONE shared context: each lockstep round is one decode for every
+    request in flight, greedy outputs equal each request decoded alone, finished requests free their rows, and a
+    fork dropped without finishing loses its row at the next join."""
+    import gc
+
+    opts = {"model": "smollm2-135m", "budget": 4}
+    shared = engine.drafter("draft", **opts).shared
+    assert shared is not None and not shared.rows
+    alone = [engine.generate(p, "draft", max_new_tokens=24, **opts).token_ids for p in PROMPTS[:3]]
+    decodes, real = [], shared.backend.feed_rows
+    monkeypatch.setattr(shared.backend, "feed_rows", lambda rows, chains: decodes.append(len(rows)) or
+                        real(rows, chains))
+    ids = [engine.add_request(p, "draft", max_new_tokens=24, **opts) for p in PROMPTS[:3]]
+    results = engine.run()
+    assert [results[i].token_ids for i in ids] == alone
+    assert max(decodes) == 3 and sum(decodes) > len(decodes)  # rounds fed several requests in one decode
+    assert not shared.rows and shared.backend.rows == 0
+    lost = engine.drafter("draft", **opts).fork()
+    lost.start(PROMPT, None)
+    assert shared.backend.rows == 1
+    del lost
+    gc.collect()
+    kept = engine.drafter("draft", **opts).fork()
+    kept.start(PROMPT, None)
+    assert shared.backend.rows == 1 and shared.rows[0]() is kept
+    kept.release()
+    assert shared.backend.rows == 0

@@ -186,7 +186,7 @@ class LlamaCppBackend(RowLengths):
         version = getattr(import_llama_cpp(), "__version__", "?")
         self.capabilities = Capabilities("llamacpp", model.weights, f"threads={threads}|llama_cpp={version}", "cpu",
                                          hidden_states=self._tap is not None, references=("llama_pld", "llama_server"),
-                                         label="llama.cpp",
+                                         label="llama.cpp", row_feeds=True,
                                          tie_gap=1.0, tie_note="llama.cpp's quantised kernels round a tree decode "
                                                                "and a one-token decode differently (docs/backends.md)")
         self.reset()
@@ -475,6 +475,38 @@ class LlamaCppBackend(RowLengths):
             raise
         self._spec += list(zip(new, pos))
         return logits
+
+    def feed_rows(self, rows: list[int], chains: list[list[int]]) -> torch.Tensor:
+        """Append ``chains[j]`` to row ``rows[j]``'s committed prefix, for all ``j`` in one decode (split only past
+        ``n_batch``): a draft model's feeds for every request sharing its context. Returns each chain's last
+        logits ``[len(rows), V]``. Rows never see each other's cells."""
+        for i in rows:
+            self._drop_uncommitted(i)
+        self._make_room(sum(map(len, chains)))
+        out, group, size = [], [], 0
+        for i, chain in [*zip(rows, chains), (None, [])]:
+            if group and (i is None or size + len(chain) > self.settings.n_batch):
+                toks, pos, seqs, want = [], [], [], []
+                for r, c in group:
+                    toks += c
+                    pos += range(self.lengths[r], self.lengths[r] + len(c))
+                    seqs += [[self.home[r]]] * len(c)
+                    want += [0] * (len(c) - 1) + [1]
+                out.append(self._decode(toks, pos, seqs, np.array(want, dtype=np.int8))[0])
+                for r, c in group:
+                    self.lengths[r] += len(c)
+                group, size = [], 0
+            if i is not None:
+                if not 0 < len(chain) <= self.settings.n_batch:
+                    raise SpecgraftError(f"llama.cpp feed: a chain of {len(chain)} tokens (1..n_batch)")
+                group.append((i, chain))
+                size += len(chain)
+        return torch.cat(out)
+
+    def truncate_row(self, row: int, length: int) -> None:
+        """Drop row ``row``'s cached positions from ``length`` on."""
+        self.lc.llama_memory_seq_rm(self.mem, self.home[row], length, -1)
+        self.lengths[row] = min(self.lengths[row], length)
 
     def truncate(self, length: int) -> None:
         """Drop every speculative node (extend's, an uncommitted verify's) and cached positions from ``length`` on."""

@@ -63,6 +63,14 @@ class Drafter(Protocol):
         ...
 
 
+def release(drafter: "Drafter") -> None:
+    """A request is over (finished, failed or aborted): a drafter that holds shared per-request resources (a
+    row of a draft model's shared cache) declares ``release()`` and frees them here."""
+    free = getattr(drafter, "release", None)
+    if free is not None:
+        free()
+
+
 class Work(Protocol):
     """One unit of a drafter's model work (an EAGLE head pass over some rows) handed out so that several
     requests' units run in ONE forward: units sharing a ``runner`` run together, ``runner.run(units)`` returning

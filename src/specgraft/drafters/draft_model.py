@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import copy
 import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Generator
 
 import torch
 
@@ -26,7 +29,83 @@ from ..core.backend import Backend, TargetBackend
 from .dynamic_tree import Candidates, Gate, candidates_tree, expand_topk
 from ..core.sampling import make_generator, target_probs
 from ..core.tree import SOURCE_DRAFT, Tree, path_to
-from ..core.drafter import DraftContext
+from ..core.drafter import DraftContext, ProposeSteps, drive
+
+
+@dataclass
+class Feed:
+    """One unit of draft-model work (``core.drafter.Work``): feed ``tokens`` (the request's unfed committed
+    tokens, or its last drafted one) to ``drafter``'s cache; the result is the last token's logits ``[V]``."""
+
+    runner: Any
+    drafter: "DraftModelDrafter"
+    tokens: list[int]
+
+    @property
+    def weight(self) -> int:
+        return len(self.tokens)
+
+
+class OwnCache:
+    """The runner of a drafter with a cache of its own (a transformers draft model, and draft trees): one
+    forward per feed, never shared."""
+
+    def __init__(self, drafter: "DraftModelDrafter"):
+        self.drafter = drafter
+
+    def run(self, units: list[Feed]) -> list[torch.Tensor]:
+        return [self.drafter.feed_alone(u.tokens) for u in units]
+
+
+class SharedCache:
+    """ONE draft-model context whose rows are the requests in flight (a backend that declares ``row_feeds``:
+    llama.cpp): each lockstep round, every request's feed goes into one decode, so B requests' draft tokens
+    cost about one forward instead of B (docs/design.md §4.3)::
+
+        row 0: [ prompt a ... | a1 a2 ]  <- feed [b]          one decode: [b] at row 0, [y1 y2 c] at row 1
+        row 1: [ prompt b ........... ]  <- feed [y1 y2 c]
+
+    Rows hold weak references to their drafters: a fork that is never released (a request dropped without
+    finishing) loses its row at the next join or run, not later."""
+
+    def __init__(self, backend: Backend):
+        self.backend = backend.clone()  # its own context: nothing else resets or feeds its rows
+        self.rows: list[weakref.ref] = []
+
+    def _prune(self) -> None:
+        for i in reversed(range(len(self.rows))):
+            if self.rows[i]() is None:
+                self.backend.remove(i)
+                del self.rows[i]
+
+    def row(self, drafter: "DraftModelDrafter") -> int:
+        return next(i for i, ref in enumerate(self.rows) if ref() is drafter)
+
+    def join(self, drafter: "DraftModelDrafter", prompt_ids: list[int]) -> None:
+        self.leave(drafter)
+        self._prune()
+        self.backend.add(torch.tensor(prompt_ids, dtype=torch.long))
+        self.rows.append(weakref.ref(drafter))
+
+    def leave(self, drafter: "DraftModelDrafter") -> None:
+        if any(ref() is drafter for ref in self.rows):
+            i = self.row(drafter)
+            self.backend.remove(i)
+            del self.rows[i]
+
+    def truncate(self, drafter: "DraftModelDrafter", length: int) -> None:
+        self.backend.truncate_row(self.row(drafter), length)
+
+    def run(self, units: list[Feed]) -> list[torch.Tensor]:
+        self._prune()
+        start = time.perf_counter()
+        logits = self.backend.feed_rows([self.row(u.drafter) for u in units], [u.tokens for u in units])
+        elapsed = time.perf_counter() - start
+        total = sum(u.weight for u in units)
+        for u in units:
+            u.drafter.forwards += 1
+            u.drafter.forward_s += elapsed * u.weight / total
+        return list(logits)
 
 
 class DraftModelDrafter:
@@ -42,6 +121,9 @@ class DraftModelDrafter:
             raise ValueError("draft tree needs integer top_k >= 1 and depth >= 0")
         self.backend = TargetBackend(model) if isinstance(model, torch.nn.Module) else model
         self.label, self.shape, self.top_k, self.depth = label, shape, top_k, depth
+        # Chains on a backend whose rows can be fed together share its one context (trees extend a single row)
+        self.shared = SharedCache(self.backend) if shape == "chain" and self.backend.capabilities.row_feeds else None
+        self.runner = self.shared or OwnCache(self)
         self.cached = 0  # positions of ctx.ids that the draft cache holds
         self.base = 0  # len(ctx.ids) at the last proposal
         self.drafted = 0
@@ -50,20 +132,30 @@ class DraftModelDrafter:
         self.forward_s = 0.0
 
     def fork(self) -> "DraftModelDrafter":
-        c = copy.copy(self)  # shares the draft model; its cache and generator are per request
-        c.backend = self.backend.clone()
+        c = copy.copy(self)  # shares the draft model; its cache rows and generator are per request
+        if self.shared is None:
+            c.backend = self.backend.clone()
+            c.runner = OwnCache(c)
         c.cached = c.base = c.drafted = c.forwards = 0
         c.gen, c.forward_s = None, 0.0
         return c
 
     def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
         t0 = time.perf_counter()
-        self.backend.prefill(torch.tensor(prompt_ids, dtype=torch.long))
+        if self.shared is not None:
+            self.shared.join(self, prompt_ids)
+        else:
+            self.backend.prefill(torch.tensor(prompt_ids, dtype=torch.long))
         self.forward_s += time.perf_counter() - t0
         self.cached = len(prompt_ids)
         self.gen = None
 
-    def _feed(self, tokens: list[int]) -> torch.Tensor:
+    def release(self) -> None:
+        """The request is over: its row of a shared cache is freed (the engine calls this when it finishes)."""
+        if self.shared is not None:
+            self.shared.leave(self)
+
+    def feed_alone(self, tokens: list[int]) -> torch.Tensor:
         t0 = time.perf_counter()
         out = self.backend.verify(Tree.chain(tokens[0], tokens[1:]))
         self.backend.commit(list(range(len(tokens))))
@@ -71,14 +163,30 @@ class DraftModelDrafter:
         self.forward_s += time.perf_counter() - t0
         return out.logits[-1]
 
+    def _truncate(self, length: int) -> None:
+        if self.shared is not None:
+            self.shared.truncate(self, length)
+        else:
+            self.backend.truncate(length)
+
     def propose(self, ctx: DraftContext) -> Tree:
+        return drive(self.propose_steps(ctx))
+
+    def propose_steps(self, ctx: DraftContext) -> ProposeSteps:
+        """Chains hand out their feeds (``Feed``), so the engine runs every request's in one decode of a shared
+        cache; trees run whole."""
         if self.shape == "tree":
             return candidates_tree(ctx, self.draft(ctx), ctx.budget)
-        drafts, probs, _ = self.chain(ctx, ctx.budget)
+        drafts, probs, _ = yield from self.chain_steps(ctx, ctx.budget)
         return Tree.chain(ctx.ids[-1], drafts, SOURCE_DRAFT, draft_probs=probs)
 
     def chain(self, ctx: DraftContext, gamma: int, tau: float | None = None
               ) -> tuple[list[int], torch.Tensor | None, list[float]]:
+        """:meth:`chain_steps` run alone (Graft's tail, calibration)."""
+        return drive(self.chain_steps(ctx, gamma, tau))
+
+    def chain_steps(self, ctx: DraftContext, gamma: int, tau: float | None = None
+                    ) -> Generator[Feed, torch.Tensor, tuple[list[int], torch.Tensor | None, list[float]]]:
         """Draft up to ``gamma`` tokens; with ``tau``, stop before token i when its *stop statistic*
         ``s_i = prod_{j<i} q_j(y_j) * max q_i`` falls below it (at least one token is kept). ``s_i`` is known
         before ``y_i`` is drawn, so the decision never depends on the token it would propose (under greedy it
@@ -94,7 +202,7 @@ class DraftModelDrafter:
         if not params.greedy and self.gen is None:
             # The draft's randomness is its own, independent of the verifier's (seeded for reproducibility).
             self.gen = make_generator(None if params.seed is None else params.seed + 7919)
-        logits = self._feed(ctx.ids[self.cached:])
+        logits = yield Feed(self.runner, self, ctx.ids[self.cached:])
         drafts, qs, stop_stats, c = [], [], [], 1.0
         for i in range(gamma):
             q = target_probs(logits, params) if not params.greedy else torch.softmax(logits.float(), -1)
@@ -110,9 +218,9 @@ class DraftModelDrafter:
             if not params.greedy:
                 qs.append(q)
             if i < gamma - 1:
-                logits = self._feed([x])
+                logits = yield Feed(self.runner, self, [x])
         if tau is not None and len(drafts) < gamma:
-            self.backend.truncate(self.base + len(drafts) - 1)  # the last kept token was fed; drop it
+            self._truncate(self.base + len(drafts) - 1)  # the last kept token was fed; drop it
         self.drafted = len(drafts)
         self.cached = self.base + len(drafts) - 1
         probs = None
@@ -125,7 +233,7 @@ class DraftModelDrafter:
         it early). Candidates are deterministic (top-k), so trees are verified with the q = 1 rule.
         """
         self.base, self.drafted = len(ctx.ids), 0
-        root_logits = self._feed(ctx.ids[self.cached:])
+        root_logits = self.feed_alone(ctx.ids[self.cached:])
         self.cached = self.base
         if ctx.budget <= 0:
             return None
@@ -170,7 +278,7 @@ class DraftModelDrafter:
         if self.shape == "tree":
             return  # the speculation was already dropped; accepted tokens are fed next step
         keep = self.base + min(verdict.accept_length, self.drafted - 1)
-        self.backend.truncate(keep)
+        self._truncate(keep)
         self.cached = keep
 
     def describe(self) -> dict:

@@ -85,6 +85,9 @@ class BenchConfig:
     # each method runs its group's conversations together (the method order rotated per group), so a record's
     # speed is measured beside neighbours of the same configuration only.
     batch: int = 1
+    # False: sampled requests of a group share batched draft forwards too (faster; each sample then depends on
+    # its neighbours' rounding, its distribution does not). The target's verify is batched either way.
+    batch_invariant: bool = True
 
     @staticmethod
     def from_toml(path: str) -> "BenchConfig":
@@ -265,24 +268,35 @@ def run_group(engine, jobs: list[tuple[int, str, Item]], spec: MethodSpec, cfg: 
                                  **spec.options)
         in_flight[rid] = conv
 
-    t0 = time.perf_counter()
-    for conv in convs:
-        submit(conv)
+    t0, invariant = time.perf_counter(), engine.batch_invariant
+    engine.batch_invariant = cfg.batch_invariant
+    try:
+        for conv in convs:
+            submit(conv)
+        _drain(engine, in_flight, spec, submit)
+    except BaseException:  # the engine is left idle for whatever runs next (the run itself resumes)
+        for rid in list(in_flight):
+            engine.abort(rid)
+        engine.run()
+        raise
+    finally:
+        engine.batch_invariant = invariant
+    return convs, time.perf_counter() - t0
+
+
+def _drain(engine, in_flight: dict, spec: MethodSpec, submit) -> None:
+    """Step until the group is done; a finished turn's conversation submits its next turn."""
     while engine.has_unfinished():
         for out in engine.step():
             if not out.finished:
                 continue
             conv = in_flight.pop(out.request_id)
             if out.error or out.result is None:
-                for rid in list(in_flight):
-                    engine.abort(rid)
-                engine.run()
                 raise SpecgraftError(f"{spec.label} on {conv.key[1]} {conv.key[2].id} failed: {out.error}")
             conv.gens.append(out.result)
             conv.messages.append({"role": "assistant", "content": out.result.text})
             if len(conv.gens) < len(conv.key[2].turns):
                 submit(conv)
-    return convs, time.perf_counter() - t0
 
 
 def make_record(cfg: BenchConfig, env: dict, dataset: str, item: Item, spec: MethodSpec, seed: int, turn: int,
@@ -366,6 +380,7 @@ def run_harness(cfg: BenchConfig, out_path: str, progress=None, log=print, engin
                 elif todo:
                     convs, wall = run_group(engine, todo, spec, cfg, stops)
                     group = {"size": cfg.batch, "group": g // cfg.batch, "in_flight": len(todo), "wall_s": wall,
+                             "invariant": cfg.batch_invariant,
                              "new_tokens": sum(gen.stats.new_tokens for c in convs for gen in c.gens)}
                     for c in convs:
                         seed, dname, item = c.key

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.drafter import release
 from ..core.tree import SOURCE_DRAFT, Tree
 from ..drafters.dynamic_tree import InnerDrafter, rerank
 from ..drafters.matrix import AdjacencyMatrix
@@ -247,6 +248,9 @@ class Recorder:
         rank = {c: r for r, c in enumerate(order)}
         self._step = {"level_best": cands.level_best, "ranks": [rank[c] for c in kept]}
         return Tree.build([ctx.ids[-1], *tokens], [-1, *parents], [0] + [SOURCE_DRAFT] * len(tokens))
+
+    def release(self) -> None:
+        release(self.inner)  # a draft model's row of its shared cache
 
     def observe(self, tree, logits, verdict, hidden=None) -> None:
         a = verdict.accept_length

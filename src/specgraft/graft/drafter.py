@@ -37,7 +37,7 @@ from .context import ContextModel, context_trie, find_matches, request_factor, s
 from .templates import RANK_WEIGHTS, ROOT_SHARE, graft_merge, path_weight, stage_split, stage_template, sweep_template
 from .pruning import SparseGate
 from ..core.tree import SOURCE_CONTEXT, SOURCE_DRAFT, SOURCE_RETRIEVAL, SOURCE_ROOT, Tree
-from ..core.drafter import DraftContext, ProposeSteps, drive
+from ..core.drafter import DraftContext, ProposeSteps, drive, release
 from ..drafters.matrix import AdjacencyMatrix
 
 TREE_VARIANTS = ("graft", "prune", "fixed", "root", "batch")
@@ -143,7 +143,7 @@ class GraftDrafter:
         head); the retrieval sources are host work between them. ``times.propose_s`` is wall time, batched
         passes included."""
         t0 = time.perf_counter()
-        tree = self._propose_chain(ctx) if self.chain else (yield from self._propose_tree(ctx))
+        tree = (yield from self._propose_chain(ctx)) if self.chain else (yield from self._propose_tree(ctx))
         self.times["propose_s"] += time.perf_counter() - t0
         src = tree.source
         self.counters["offered_draft"] += int((src == SOURCE_DRAFT).sum())
@@ -152,6 +152,9 @@ class GraftDrafter:
         self.lifetime_retrieval += int((src == SOURCE_RETRIEVAL).sum())  # across requests (tests)
         self.lifetime_context += int((src == SOURCE_CONTEXT).sum())
         return tree
+
+    def release(self) -> None:
+        release(self.inner)  # a draft model's row of its shared cache
 
     def observe(self, tree: Tree, logits: torch.Tensor, verdict, hidden=None) -> None:
         acc = tree.source[torch.tensor(verdict.accepted[1:], dtype=torch.long)]
@@ -294,10 +297,11 @@ class GraftDrafter:
         self.counters["dedup_context"] += hyb.n_dedup
         return hyb.tokens, hyb.parents, hyb.source, hyb.n_retrieved
 
-    def _propose_chain(self, ctx: DraftContext) -> Tree:
+    def _propose_chain(self, ctx: DraftContext) -> ProposeSteps:
         """Graft-TAIL: the draft chain stops below ``tau_tail``; the tail is a context continuation when its
-        first token's estimate beats the matrix's rank 0, then M's rank-0 chain (up to the same length)."""
-        drafts, probs, _ = self.inner.chain(ctx, ctx.budget, self.tau_tail)
+        first token's estimate beats the matrix's rank 0, then M's rank-0 chain (up to the same length). The
+        chain's feeds are handed out (a draft model's shared cache batches them across requests)."""
+        drafts, probs, _ = yield from self.inner.chain_steps(ctx, ctx.budget, self.tau_tail)
         tail: list[int] = []
         n_ctx = 0
         if self.variant == "tail" and drafts:
