@@ -67,6 +67,8 @@ def own_cache(tmp_path, smollm2_engine):
     (["distortion", "--modes", "sideways"], "--modes must be chain, tree"),
     (["distortion", "--rules", "lossless"], "lossy:RULE:PARAM specs only"),
     (["distortion", "--temperature", "0"], "--temperature must be > 0"),
+    (["distortion", "--tree-method", "draft:width=3"], "--tree-method must be eagle, graft or draft"),
+    (["distortion", "--backend", "gpu"], "--backend must be one of"),
     (["train-head", "--out", "/tmp/x", "--device", "tpu"], "--device tpu is not available"),
     (["generate", "hi", "--backend", "onnx"], "unknown backend 'onnx'"),
     (["generate", "hi", "--device", "tpu"], "unknown device 'tpu'"),
@@ -185,3 +187,9 @@ def test_lossy_bench_report_and_distortion_on_smollm2(tmp_path, smollm2_engine):
     assert len(rows) == 3 and "n/a (needs q)" in next(x for x in rows if "cos" in x)
     rec = json.loads(dist.read_text().splitlines()[0])
     assert rec["mode"] == "tree" and rec["rules"]["lossy:speccascade:0.3"]["n"] > 0
+    r = cli("report", str(out), "--study", "--distortion", str(dist))
+    assert "a verdict per claim" in r.stdout and "unresolved (missing point" in r.stdout  # tree points only
+    row = next(x for x in r.stdout.splitlines() if x.startswith("| eagle:budget=8,verify=lossy:speccascade:0.3 |"))
+    assert "| tree |" in row and "| eagle:budget=8,min_p=0.3 |" in row
+    r = cli("report", str(out), "--distortion", str(dist))
+    assert r.returncode == 2 and "--distortion goes with --study" in r.stderr

@@ -142,8 +142,8 @@ class LlamaModel:
             self._embeddings = torch.nn.Embedding.from_pretrained(torch.from_numpy(out).to(self.head_dtype))
         return self._embeddings
 
-    def __del__(self):
-        if getattr(self, "ptr", None) and not sys.is_finalizing():  # at exit llama_cpp's bindings are gone first
+    def __del__(self, finalizing=sys.is_finalizing):  # bound now: at exit the module's globals may be None
+        if getattr(self, "ptr", None) and not finalizing():  # at exit llama_cpp's bindings are gone first
             self.lc.llama_model_free(self.ptr)
             self.ptr = None
 
@@ -191,9 +191,9 @@ class LlamaCppBackend(RowLengths):
                                                                "and a one-token decode differently (docs/backends.md)")
         self.reset()
 
-    def __del__(self):
+    def __del__(self, finalizing=sys.is_finalizing):
         lc = getattr(self, "lc", None)
-        if lc is not None and getattr(self, "ctx", None) and not sys.is_finalizing():
+        if lc is not None and getattr(self, "ctx", None) and not finalizing():
             lc.llama_batch_free(self._batch)
             lc.llama_free(self.ctx)
             self.ctx = None
@@ -480,28 +480,38 @@ class LlamaCppBackend(RowLengths):
         """Append ``chains[j]`` to row ``rows[j]``'s committed prefix, for all ``j`` in one decode (split only past
         ``n_batch``): a draft model's feeds for every request sharing its context. Returns each chain's last
         logits ``[len(rows), V]``. Rows never see each other's cells."""
+        if any(not 0 < len(c) <= self.settings.n_batch for c in chains):
+            raise SpecgraftError(f"llama.cpp feed: chains of {[len(c) for c in chains]} tokens (each 1..n_batch)")
         for i in rows:
             self._drop_uncommitted(i)
         self._make_room(sum(map(len, chains)))
+        before = {r: self.lengths[r] for r in rows}
         out, group, size = [], [], 0
-        for i, chain in [*zip(rows, chains), (None, [])]:
-            if group and (i is None or size + len(chain) > self.settings.n_batch):
-                toks, pos, seqs, want = [], [], [], []
-                for r, c in group:
-                    toks += c
-                    pos += range(self.lengths[r], self.lengths[r] + len(c))
-                    seqs += [[self.home[r]]] * len(c)
-                    want += [0] * (len(c) - 1) + [1]
-                out.append(self._decode(toks, pos, seqs, np.array(want, dtype=np.int8))[0])
-                for r, c in group:
-                    self.lengths[r] += len(c)
-                group, size = [], 0
-            if i is not None:
-                if not 0 < len(chain) <= self.settings.n_batch:
-                    raise SpecgraftError(f"llama.cpp feed: a chain of {len(chain)} tokens (1..n_batch)")
-                group.append((i, chain))
-                size += len(chain)
+        try:  # all or nothing: a failed decode leaves every row as it was (its caller may retry row by row)
+            for i, chain in [*zip(rows, chains), (None, [])]:
+                if group and (i is None or size + len(chain) > self.settings.n_batch):
+                    out.append(self._feed_group(group))
+                    group, size = [], 0
+                if i is not None:
+                    group.append((i, chain))
+                    size += len(chain)
+        except Exception:
+            for r, n in before.items():
+                self.truncate_row(r, n)
+            raise
         return torch.cat(out)
+
+    def _feed_group(self, group: list[tuple[int, list[int]]]) -> torch.Tensor:
+        toks, pos, seqs, want = [], [], [], []
+        for r, c in group:
+            toks += c
+            pos += range(self.lengths[r], self.lengths[r] + len(c))
+            seqs += [[self.home[r]]] * len(c)
+            want += [0] * (len(c) - 1) + [1]
+        logits = self._decode(toks, pos, seqs, np.array(want, dtype=np.int8))[0]
+        for r, c in group:
+            self.lengths[r] += len(c)
+        return logits
 
     def truncate_row(self, row: int, length: int) -> None:
         """Drop row ``row``'s cached positions from ``length`` on."""

@@ -92,6 +92,10 @@ def report(
     strict: bool = typer.Option(False, help="Fail on any greedy divergence from AR, bf16 included."),
     lossy: bool = typer.Option(False, "--lossy", help="Also the quality-efficiency table of LOSSY rules, each next "
                                "to its correct baseline (and quality_vs_mat.png with --plots)."),
+    study: bool = typer.Option(False, "--study", help="Also the lossy study's tables: a verdict per claim of the lossy "
+                               "paper, and every point beside its correct baseline with paired bootstrap intervals."),
+    distortion: Optional[str] = typer.Option(None, help="With --study: `specgraft distortion` records whose TV / KL "
+                                             "stand beside each point."),
     reference: Optional[str] = typer.Option(None, help="A method label: also speedups vs it, with 95% intervals."),
     goal: Optional[list[str]] = typer.Option(None, help="LABEL>REF:RATIO (REF may be ar), repeatable; met only "
                                              "when the 95% interval's lower bound >= RATIO. mat:LABEL>REF:RATIO "
@@ -106,9 +110,11 @@ def report(
 
     for g in goal or []:
         parse_goal(g)  # a bad goal fails before any file is read
-    for r in records:
+    for r in [*records, *([distortion] if distortion else [])]:
         if not Path(r).exists():
             raise SpecgraftError(f"records file not found: {r}")
+    if distortion and not study:
+        raise SpecgraftError("--distortion goes with --study")
     rep = load(records)
     if not rep.records:
         raise SpecgraftError("no complete records in " + ", ".join(records))
@@ -122,6 +128,8 @@ def report(
         text += "\n## LOSSY rules vs their correct baselines\n\n" + lossy_markdown(tagged)
         if plots_dir:
             print(f"plot: {lossy_plot(tagged, Path(plots_dir) / 'quality_vs_mat.png')}", file=sys.stderr)
+    if study:
+        text += _study_text(records, distortion)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out + ".tmp").write_text(text, encoding="utf-8")
@@ -137,6 +145,22 @@ def report(
         problems = rep.problems + rep.missing + [f"{k}: {len(v)} greedy divergence(s) from AR" for k, v in bad.items()]
         print(f"error: exactness check failed: {problems[0]} ({len(problems)} problem(s))", file=sys.stderr)
         raise typer.Exit(1)
+
+
+def _study_text(records: list[str], distortion: str | None) -> str:
+    """``report --study``: the verdict table and the per-point table (eval/lossy_study.py)."""
+    from ..eval.harness import read_records
+    from ..eval.lossy_study import markdown as study_markdown
+    from ..eval.lossy_study import verdict_table
+
+    tagged = [{**r, "_file": f} for f in records for r in read_records(f)[0]]
+    dist = None
+    if distortion:
+        from ..tools.distortion import aggregate
+
+        dist = aggregate(read_records(distortion)[0])
+    return ("\n## The lossy study: a verdict per claim (LOSSY rules)\n\n" + verdict_table(tagged) +
+            "\n## The lossy study: every point beside its correct baseline\n\n" + study_markdown(tagged, dist))
 
 
 @app.command("batch")

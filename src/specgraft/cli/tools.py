@@ -186,6 +186,8 @@ def calibrate(
 def distortion(
     model: str = typer.Option("qwen2.5-coder-1.5b", "--model", "-m"),
     dtype: str = typer.Option("bfloat16"),
+    backend: str = typer.Option("transformers", help="transformers or llamacpp (the model's GGUF; a draft model's "
+                                "GGUF too)."),
     modes: str = typer.Option("chain,tree", help="chain (draft-model chain with its q), tree (deterministic "
                               "candidates, q = 1 gates), or both."),
     rules: Optional[str] = typer.Option(None, help="';'-separated lossy:RULE:PARAM specs; default: a grid of "
@@ -193,12 +195,14 @@ def distortion(
     prompts: str = typer.Option("humaneval", help="Dataset or a .jsonl/.txt file."),
     limit: int = typer.Option(3, help="Number of prompts."),
     stride: int = typer.Option(27, help="Take every K-th prompt."),
+    offset: int = typer.Option(0, help="Skip the first N prompts first (a slice held out from an evaluation)."),
     max_new_tokens: int = typer.Option(64),
     temperature: float = typer.Option(0.7),
     seed: int = typer.Option(0),
     draft_model: str = typer.Option("qwen2.5-coder-0.5b", help="chain mode: the draft LM."),
     gamma: int = typer.Option(4, help="chain mode: draft tokens per step."),
-    tree_method: str = typer.Option("eagle", help="tree mode: eagle or graft (deterministic candidates)."),
+    tree_method: str = typer.Option("eagle", help="tree mode: eagle, graft, or draft[:top_k=K,depth=D] (the draft "
+                                    "model's deterministic top-k trees)."),
     tree_budget: int = typer.Option(15, help="tree mode: non-root nodes per tree."),
     mc_draws: int = typer.Option(0, help="tree mode: also run the production verifier this many times per step "
                                  "and rule, reporting its TV to the exact yield."),
@@ -218,8 +222,20 @@ def distortion(
     specs = [x.strip() for x in (rules or GRID).split(";") if x.strip()]
     if not all(parse_rule(x).lossy for x in specs):
         raise SpecgraftError("--rules takes lossy:RULE:PARAM specs only (the lossless rule has no distortion)")
-    if tree_method not in ("eagle", "graft"):
-        raise SpecgraftError(f"--tree-method must be eagle or graft, got '{tree_method}'")
+    from ..backends import BACKENDS
+    from ..eval.harness import parse_method
+
+    tree_entry = parse_method(tree_method)
+    tree_name = tree_entry.pop("name")
+    if tree_name not in ("eagle", "graft", "draft") or (tree_entry and tree_name != "draft") or \
+            set(tree_entry) - {"top_k", "depth"}:
+        raise SpecgraftError(f"--tree-method must be eagle, graft or draft[:top_k=K,depth=D], got '{tree_method}'")
+    if tree_name == "draft":
+        tree_entry = {"shape": "tree", "model": draft_model, **tree_entry}
+    if backend not in BACKENDS:
+        raise SpecgraftError(f"--backend must be one of {', '.join(BACKENDS)}, got '{backend}'")
+    if offset < 0:
+        raise SpecgraftError("--offset must be >= 0")
     for name, val in (("limit", limit), ("stride", stride), ("max-new-tokens", max_new_tokens), ("gamma", gamma)):
         if val < 1:
             raise SpecgraftError(f"--{name} must be >= 1")
@@ -228,10 +244,9 @@ def distortion(
     SamplingParams(temperature, seed=seed)
     if tree_budget < 1 or mc_draws < 0:
         raise SpecgraftError("--tree-budget must be >= 1 and --mc-draws >= 0")
-    cfg = DistortionConfig(model, dtype, prompts, limit, stride, max_new_tokens, temperature, seed, specs,
-                           ("draft", {"shape": "chain", "model": draft_model}), (tree_method, {}), tree_budget,
-                           mc_draws)
-    cfg.chain_budget = gamma
+    cfg = DistortionConfig(model, dtype, backend, prompts, limit, stride, max_new_tokens, temperature, seed, specs,
+                           ("draft", {"shape": "chain", "model": draft_model}), (tree_name, tree_entry), tree_budget,
+                           mc_draws, gamma, offset)
     out = out or f"runs/distortion-{model.replace('/', '_')}-{dtype}.jsonl"
     quiet_transformers()
     with Progress() as bar:

@@ -30,6 +30,7 @@ from .dynamic_tree import Candidates, Gate, candidates_tree, expand_topk
 from ..core.sampling import make_generator, target_probs
 from ..core.tree import SOURCE_DRAFT, Tree, path_to
 from ..core.drafter import DraftContext, ProposeSteps, drive
+from ..errors import SpecgraftError
 
 
 @dataclass
@@ -47,14 +48,21 @@ class Feed:
 
 
 class OwnCache:
-    """The runner of a drafter with a cache of its own (a transformers draft model, and draft trees): one
-    forward per feed, never shared."""
+    """The runner of drafters with a cache of their own (a transformers draft model): one forward per feed. A
+    feed that fails returns its exception, so the others (already fed) are never run twice."""
 
-    def __init__(self, drafter: "DraftModelDrafter"):
-        self.drafter = drafter
+    @staticmethod
+    def run(units: list[Feed]) -> list[torch.Tensor | Exception]:
+        out: list[torch.Tensor | Exception] = []
+        for u in units:
+            try:
+                out.append(u.drafter.feed_alone(u.tokens))
+            except Exception as err:  # noqa: BLE001 -- that request's drafter failed alone
+                out.append(err)
+        return out
 
-    def run(self, units: list[Feed]) -> list[torch.Tensor]:
-        return [self.drafter.feed_alone(u.tokens) for u in units]
+
+OWN_CACHE = OwnCache()
 
 
 class SharedCache:
@@ -79,10 +87,14 @@ class SharedCache:
                 del self.rows[i]
 
     def row(self, drafter: "DraftModelDrafter") -> int:
-        return next(i for i, ref in enumerate(self.rows) if ref() is drafter)
+        for i, ref in enumerate(self.rows):
+            if ref() is drafter:
+                return i
+        raise SpecgraftError("this draft-model drafter holds no row of its shared cache (released, or never started)")
 
     def join(self, drafter: "DraftModelDrafter", prompt_ids: list[int]) -> None:
-        self.leave(drafter)
+        if any(ref() is drafter for ref in self.rows):
+            raise SpecgraftError("a draft-model drafter instance serves one request at a time: fork it per request")
         self._prune()
         self.backend.add(torch.tensor(prompt_ids, dtype=torch.long))
         self.rows.append(weakref.ref(drafter))
@@ -123,7 +135,7 @@ class DraftModelDrafter:
         self.label, self.shape, self.top_k, self.depth = label, shape, top_k, depth
         # Chains on a backend whose rows can be fed together share its one context (trees extend a single row)
         self.shared = SharedCache(self.backend) if shape == "chain" and self.backend.capabilities.row_feeds else None
-        self.runner = self.shared or OwnCache(self)
+        self.runner = self.shared or OWN_CACHE
         self.cached = 0  # positions of ctx.ids that the draft cache holds
         self.base = 0  # len(ctx.ids) at the last proposal
         self.drafted = 0
@@ -135,7 +147,6 @@ class DraftModelDrafter:
         c = copy.copy(self)  # shares the draft model; its cache rows and generator are per request
         if self.shared is None:
             c.backend = self.backend.clone()
-            c.runner = OwnCache(c)
         c.cached = c.base = c.drafted = c.forwards = 0
         c.gen, c.forward_s = None, 0.0
         return c
@@ -275,8 +286,8 @@ class DraftModelDrafter:
         return cands
 
     def observe(self, tree, logits, verdict, hidden=None) -> None:
-        if self.shape == "tree":
-            return  # the speculation was already dropped; accepted tokens are fed next step
+        if self.shape == "tree" or self.drafted == 0:
+            return  # nothing speculative is cached (trees dropped theirs): the next feed sends what is unfed
         keep = self.base + min(verdict.accept_length, self.drafted - 1)
         self._truncate(keep)
         self.cached = keep

@@ -17,6 +17,7 @@ import json
 import os
 import time
 import tomllib
+import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -275,9 +276,12 @@ def run_group(engine, jobs: list[tuple[int, str, Item]], spec: MethodSpec, cfg: 
             submit(conv)
         _drain(engine, in_flight, spec, submit)
     except BaseException:  # the engine is left idle for whatever runs next (the run itself resumes)
-        for rid in list(in_flight):
-            engine.abort(rid)
-        engine.run()
+        try:
+            for rid in list(in_flight):
+                engine.abort(rid)
+            engine.run()
+        except Exception:  # noqa: BLE001 -- the original error is the one to report
+            pass
         raise
     finally:
         engine.batch_invariant = invariant
@@ -379,7 +383,9 @@ def run_harness(cfg: BenchConfig, out_path: str, progress=None, log=print, engin
                                                       score if cfg.score else None)) for t, gen in enumerate(gens)])
                 elif todo:
                     convs, wall = run_group(engine, todo, spec, cfg, stops)
-                    group = {"size": cfg.batch, "group": g // cfg.batch, "in_flight": len(todo), "wall_s": wall,
+                    # ``id``: this run of the group (a resumed group reruns only its missing conversations)
+                    group = {"size": cfg.batch, "group": g // cfg.batch, "id": uuid.uuid4().hex[:12],
+                             "in_flight": len(todo), "wall_s": wall,
                              "invariant": cfg.batch_invariant,
                              "new_tokens": sum(gen.stats.new_tokens for c in convs for gen in c.gens)}
                     for c in convs:

@@ -79,8 +79,13 @@ class _Group:
 
 
 def _tps(records: list[dict]) -> float:
-    tok = sum(r["new_tokens"] for r in records)
-    wall = sum(r["wall_s"] for r in records)
+    """Tokens per second: per request, or per group of a batched run (``wall_s`` is then a request's latency
+    beside its neighbours, so the group's own totals are used, once per group)."""
+    groups = {r["batch"].get("id", r["batch"]["group"]): r["batch"] for r in records if r.get("batch")}
+    if groups:
+        tok, wall = sum(g["new_tokens"] for g in groups.values()), sum(g["wall_s"] for g in groups.values())
+    else:
+        tok, wall = sum(r["new_tokens"] for r in records), sum(r["wall_s"] for r in records)
     return tok / wall if wall else float("nan")
 
 

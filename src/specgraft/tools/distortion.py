@@ -4,7 +4,7 @@ real prompts with the real target ``p`` and the real drafts.
 - **chain** mode: decode losslessly with the draft-model chain; at every drafted position the pair
   ``(p, q)`` (target after temperature, the draft distribution the token was sampled from) gives each rule's
   closed-form induced distribution ``pi = q a + R rho`` (lossy/rules.py).
-- **tree** mode: decode losslessly with the EAGLE-3 head (or any tree method); at every step's root the exact
+- **tree** mode: decode losslessly with the EAGLE-3 head (or Graft, or draft-model trees); at every step's root the exact
   yield of the rule's gate over the actual sibling list (``tree_node_yield``) gives ``pi``; ``mc_draws > 0``
   also runs the production verifier (``lossy.verify.lossy_tree``) that many times over the root's actual children
   and reports its TV to the exact yield (a check that the two agree).
@@ -111,6 +111,7 @@ def measure_step(mode: str, rules: list[Rule], tree: Tree, logits: torch.Tensor,
 class DistortionConfig:
     model: str = "qwen2.5-coder-1.5b"
     dtype: str = "bfloat16"
+    backend: str = "transformers"  # or "llamacpp": the model's GGUF, a draft model's too
     prompts: str = "humaneval"
     limit: int = 3
     stride: int = 27
@@ -123,16 +124,17 @@ class DistortionConfig:
     tree_budget: int = 15
     mc_draws: int = 0
     chain_budget: int = 4  # gamma
+    offset: int = 0  # skip the first ``offset`` prompts before taking every ``stride``-th (a held-out slice)
 
 
 def run_distortion(cfg: DistortionConfig, modes: list[str], out_path: str, engine=None, progress=None) -> list[dict]:
     """Decode each prompt once per mode (lossless, T = cfg.temperature) and measure every rule at every step;
     one record per (prompt, mode) appended to ``out_path``; existing records are kept (resume)."""
     all_rules = [parse_rule(s) for s in cfg.rules]
-    items = load_dataset(cfg.prompts, cfg.limit, cfg.stride)
+    items = load_dataset(cfg.prompts, cfg.limit, cfg.stride, offset=cfg.offset)
     out = Path(out_path)
     done = {(r["prompt_id"], r["mode"]) for r in read_records(out)[0]}  # resume: skip measured prompts
-    engine = engine or Engine(cfg.model, cfg.dtype)
+    engine = engine or Engine(cfg.model, cfg.dtype, backend=cfg.backend)
     out.parent.mkdir(parents=True, exist_ok=True)
     total, k = len(items) * len(modes), 0
     for mode in modes:
@@ -152,7 +154,8 @@ def run_distortion(cfg: DistortionConfig, modes: list[str], out_path: str, engin
             engine.add_request(ids, method, sampling=params, max_new_tokens=cfg.max_new_tokens, budget=budget,
                                on_verify=hook, **opts)
             engine.run()
-            rec = {"prompt_id": item.id, "mode": mode, "method": method, "model": cfg.model, "dtype": cfg.dtype,
+            rec = {"prompt_id": item.id, "mode": mode, "method": method, "options": {k: str(v) for k, v in opts.items()},
+                   "model": cfg.model, "dtype": cfg.dtype, "backend": engine.backend_name,
                    "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
                    "rules": {s: a.__dict__ for s, a in accs.items()}}
             with out.open("a", encoding="utf-8") as f:
