@@ -29,6 +29,7 @@ import numpy as np
 from ..lossy.report import baseline_of, config_of
 from ..lossy.rules import parse_rule
 from ..registry import chain_drafter
+from .report_stats import Estimate, ratio_of_ratios
 
 REPS = 10_000
 MARGIN = 0.03  # 3 points: the issue's standard-error goal, used as the non-inferiority margin
@@ -100,46 +101,38 @@ def points(records: list[dict]) -> dict[tuple, Point]:
     return out
 
 
-def _interval(stat, n: int, reps: int = REPS, seed: int = 0) -> tuple[float, float]:
-    """Percentile 95% interval of ``stat(idx)`` over ``reps`` resamples of ``n`` units."""
-    if n < 2:
-        return math.nan, math.nan
-    idx = np.random.default_rng(seed).integers(0, n, size=(reps, n))
-    vals = stat(idx)
-    return float(np.percentile(vals, 2.5)), float(np.percentile(vals, 97.5))
+def _as_dict(e: Estimate) -> dict:
+    return {"ratio": e.point, "lo": e.lo, "hi": e.hi, "n": e.n}
+
+
+def _mean_interval(d: np.ndarray) -> dict:
+    """Mean of the per-problem differences ``d``, its standard error and bootstrap interval (``report_stats``'s
+    ratio of sums with unit denominators)."""
+    n = len(d)
+    ones = np.ones(n)
+    e = ratio_of_ratios(d, ones, ones, ones, resamples=REPS)
+    se = float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
+    return {"mean": e.point, "se": se, "lo": e.lo if n > 1 else math.nan, "hi": e.hi if n > 1 else math.nan, "n": n}
 
 
 def paired_quality(a: Point, b: Point) -> dict:
     """Mean of (a - b) over the problems both scored, its standard error and bootstrap interval."""
     keys = sorted(set(a.quality) & set(b.quality))
-    d = np.array([a.quality[k] - b.quality[k] for k in keys])
-    n = len(d)
-    mean = float(d.mean()) if n else math.nan
-    se = float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
-    lo, hi = _interval(lambda idx: d[idx].mean(axis=1), n)
-    return {"mean": mean, "se": se, "lo": lo, "hi": hi, "n": n}
+    return _mean_interval(np.array([a.quality[k] - b.quality[k] for k in keys], dtype=float))
 
 
 def gap_difference(rule_t: Point, base_t: Point, rule_c: Point, base_c: Point) -> dict:
     """(tree rule - tree baseline) - (chain rule - chain baseline), per problem all four scored."""
     keys = sorted(set(rule_t.quality) & set(base_t.quality) & set(rule_c.quality) & set(base_c.quality))
-    d = np.array([(rule_t.quality[k] - base_t.quality[k]) - (rule_c.quality[k] - base_c.quality[k]) for k in keys])
-    n = len(d)
-    lo, hi = _interval(lambda idx: d[idx].mean(axis=1), n)
-    return {"mean": float(d.mean()) if n else math.nan, "se": float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan,
-            "lo": lo, "hi": hi, "n": n}
+    return _mean_interval(np.array([(rule_t.quality[k] - base_t.quality[k]) - (rule_c.quality[k] - base_c.quality[k])
+                                    for k in keys], dtype=float))
 
 
 def mat_ratio(a: Point, b: Point) -> dict:
     """MAT of a over MAT of b on the problems both ran (ratio of pooled sums), bootstrap over problems."""
     keys = sorted(set(a.steps) & set(b.steps))
-    ca, sa, cb, sb = (np.array([m[k] for k in keys], dtype=float) for m in (a.committed, a.steps, b.committed, b.steps))
-    n = len(keys)
-    if not n:
-        return {"ratio": math.nan, "lo": math.nan, "hi": math.nan, "n": 0}
-    ratio = float((ca.sum() / sa.sum()) / (cb.sum() / sb.sum()))
-    lo, hi = _interval(lambda idx: (ca[idx].sum(1) / sa[idx].sum(1)) / (cb[idx].sum(1) / sb[idx].sum(1)), n)
-    return {"ratio": ratio, "lo": lo, "hi": hi, "n": n}
+    return _as_dict(ratio_of_ratios(*([m[k] for k in keys] for m in (a.committed, a.steps, b.committed, b.steps)),
+                                    resamples=REPS))
 
 
 def speed_ratio(a: Point, ref: Point) -> dict:
@@ -150,13 +143,8 @@ def speed_ratio(a: Point, ref: Point) -> dict:
         h = ref.group_of.get(k)
         if h is not None and g[0] == h[0] and a.members[g] == ref.members[h]:
             pairs[g] = h
-    if not pairs:
-        return {"ratio": math.nan, "lo": math.nan, "hi": math.nan, "n": 0}
-    ta, wa, tr, wr = (np.array(x, dtype=float) for x in zip(*[(*a.groups[g], *ref.groups[h])
-                                                              for g, h in pairs.items()]))
-    ratio = float((ta.sum() / wa.sum()) / (tr.sum() / wr.sum()))
-    lo, hi = _interval(lambda idx: (ta[idx].sum(1) / wa[idx].sum(1)) / (tr[idx].sum(1) / wr[idx].sum(1)), len(pairs))
-    return {"ratio": ratio, "lo": lo, "hi": hi, "n": len(pairs)}
+    rows = [(*a.groups[g], *ref.groups[h]) for g, h in pairs.items()]
+    return _as_dict(ratio_of_ratios(*(list(x) for x in zip(*rows)) if rows else ([], [], [], []), resamples=REPS))
 
 
 def _ar(pts: dict[tuple, Point]) -> Point | None:
