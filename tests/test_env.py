@@ -3,6 +3,8 @@
 import ctypes
 import platform
 
+import pytest
+
 from specgraft import costs, env
 
 
@@ -42,3 +44,14 @@ def test_cost_curves_with_usable_amx_are_kept_apart(monkeypatch):
     assert "amx" not in plain  # machines without AMX keep the keys their caches already use
     monkeypatch.setattr(costs, "amx_state", lambda: "usable")
     assert costs.machine_key("smollm2-135m", "bfloat16", runtime="threads=2|torch=x") == plain + "_amx"
+
+
+def test_usable_amx_means_this_process_holds_the_tile_permission():
+    """``usable`` is a grant, not a guess: after it the kernel lists tile data among this process's permitted
+    features (ARCH_GET_XCOMP_PERM), which is what a tile instruction needs."""
+    if env.amx_state() != "usable":
+        pytest.skip(f"AMX is {env.amx_state()} on this machine ({env.cpu_name()})")
+    libc = ctypes.CDLL(None, use_errno=True)
+    permitted = ctypes.c_uint64(0)
+    assert libc.syscall(env.SYS_ARCH_PRCTL, env.ARCH_GET_XCOMP_PERM, ctypes.byref(permitted)) == 0
+    assert permitted.value >> env.XFEATURE_XTILEDATA & 1

@@ -26,8 +26,10 @@ def cpu_name() -> str:
 
 # Linux x86-64 arch_prctl: which extended-state features the kernel supports, and the per-process permission a
 # process must request before its first AMX tile instruction (without it, that instruction faults).
+# (asm/prctl.h: 0x1021 asks what the kernel supports, 0x1022 what this process is already permitted, which is no
+# dynamic feature before the request: an earlier version read 0x1022 as "supported" and called AMX absent.)
 SYS_ARCH_PRCTL = 158
-ARCH_GET_XCOMP_SUPP, ARCH_REQ_XCOMP_PERM = 0x1022, 0x1023
+ARCH_GET_XCOMP_SUPP, ARCH_GET_XCOMP_PERM, ARCH_REQ_XCOMP_PERM = 0x1021, 0x1022, 0x1023
 XFEATURE_XTILEDATA = 18
 
 

@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 
+from .core.backend import head_rows
 from .core.sampling import SamplingParams
 from .core.stats import Stats
 from .errors import SpecgraftError
@@ -33,7 +34,7 @@ def assistant(name: str, dtype: str, vocab_size: int, device: str = "cpu"):
     key = (name, dtype, device)
     if key not in _ASSISTANTS:
         model, _ = load(name, dtype, device=device)
-        if int(model.get_output_embeddings().weight.shape[0]) != vocab_size:
+        if head_rows(model) != vocab_size:
             raise SpecgraftError(f"assistant '{name}' does not share the target's vocabulary")
         _ASSISTANTS[key] = model
     return _ASSISTANTS[key]

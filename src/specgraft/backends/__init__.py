@@ -26,6 +26,7 @@ def load_transformers(name_or_path: str, dtype: str, cache_dir, device: str):
 
     if dtype != INT4:
         model, tok = load(name_or_path, dtype, cache_dir, device)
+        _prepack(model, device)
         return model, tok, str(next(model.parameters()).dtype).replace("torch.", "")
     if device != "cpu":
         raise SpecgraftError("--dtype int4 runs PyTorch's CPU int4 kernel; use --device cpu (or bfloat16 on a GPU)")
@@ -36,7 +37,16 @@ def load_transformers(name_or_path: str, dtype: str, cache_dir, device: str):
 
     model, tok = load(name_or_path, "bfloat16", cache_dir, device)
     convert(model, gguf_file(name_or_path, cache_dir)[0])
+    _prepack(model, device)  # the tensors the file keeps in Q6_K / Q8_0, and the head, stay bf16
     return model, tok, INT4
+
+
+def _prepack(model, device: str) -> None:
+    """bf16 linear layers on the CPU get their weights in oneDNN's layout once (``backends/packed.py``)."""
+    if device == "cpu":
+        from .packed import prepack
+
+        prepack(model)
 
 
 def transformers_backend(name_or_path: str, dtype: str = "float32", cache_dir: str | os.PathLike | None = None,

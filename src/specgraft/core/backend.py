@@ -180,6 +180,18 @@ def torch_runtime() -> str:
     return f"threads={torch.get_num_threads()}|torch={torch.__version__}"
 
 
+def packed_layers(model: torch.nn.Module) -> int:
+    """How many of the model's linear layers hold prepacked oneDNN weights (``backends/packed.py``): their cost
+    curve is another than the plain layers', so the runtime says so."""
+    return sum(1 for m in model.modules() if any(getattr(b, "is_mkldnn", False) for b in m.buffers(recurse=False)))
+
+
+def head_rows(model: torch.nn.Module) -> int:
+    """The output head's rows (the vocabulary it scores); any linear kind (plain, int4 codes, prepacked)."""
+    head = model.get_output_embeddings()
+    return int(getattr(head, "out_features", None) or head.weight.shape[0])
+
+
 DraftLoader = Callable[[str], "Backend"]
 
 
@@ -197,7 +209,7 @@ class TargetBackend(RowLengths):
         self.neg = torch.finfo(self.dtype).min
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self._cache_kw = cache_keyword(model)
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = head_rows(model)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.eos_ids = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
         # The model (and its cache) may sit on a GPU; inputs go there, logits and hidden states come back to the
@@ -205,7 +217,8 @@ class TargetBackend(RowLengths):
         self.device = next(model.parameters()).device
         fp32 = self.dtype == torch.float32
         self.weights = weights or str(self.dtype).replace("torch.", "")
-        self.capabilities = Capabilities("transformers", self.weights, torch_runtime(),
+        runtime = torch_runtime() + ("|prepacked" if packed_layers(model) else "")
+        self.capabilities = Capabilities("transformers", self.weights, runtime,
                                          str(self.device), hidden_states=True, references=("hf_assisted",),
                                          tie_gap=1e-3 if fp32 else 0.5,
                                          tie_note=f"a tree forward and a one-token forward round differently in "
