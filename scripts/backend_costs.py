@@ -9,6 +9,7 @@ fixed prefix, prefill time against prompt length, peak resident memory, and wher
     python scripts/backend_costs.py floor --dtype int4                # the weights' memory floor: one read of each
     python scripts/backend_costs.py llama-widths                      # llama.cpp: the GGUF, its gguf-q8 variant,
                                                                       # and the hidden-state tap, interleaved
+    python scripts/backend_costs.py packed-ab --dtype bfloat16         # plain vs prepacked bf16 layers, interleaved
 
 Each prints one JSON line (and a table on stderr). Timings are medians of ``--reps`` after one warm-up; the
 prefix and prompts are token ids of a fixed text (no evaluation prompt).
@@ -156,12 +157,57 @@ def floor(args) -> dict:
             "bytes": total, "ms": round(t * 1000, 1), "gb_s": round(total / t / 1e9, 1)}
 
 
+def interleaved(arms: dict, ids: list[int], args) -> dict[str, dict[int, float]]:
+    """Median ms of one verify of n tokens per arm (``name -> (backend, hidden layers)``), all arms in one
+    process, each repetition running every width on every arm with the arms' order rotated; repetition 0 is
+    the warm-up."""
+    from specgraft.core.tree import Tree
+
+    for be, _ in arms.values():
+        be.prefill(torch.tensor(ids))
+    times: dict[str, dict[int, list[float]]] = {a: {n: [] for n in args.n} for a in arms}
+    names = list(arms)
+    for rep in range(args.reps + 1):
+        order = names[rep % len(names):] + names[: rep % len(names)]
+        for n in args.n:
+            tree = Tree.chain(ids[-1], ids[1:n])
+            for a in order:
+                be, hid = arms[a]
+                t = time.perf_counter()
+                be.verify(tree, hidden_layers=hid)
+                dt = time.perf_counter() - t
+                be.truncate(args.prefix)
+                if rep:
+                    times[a][n].append(dt)
+    return {a: {n: round(statistics.median(v) * 1000, 1) for n, v in per.items()} for a, per in times.items()}
+
+
+def packed_ab(args) -> dict:
+    """The transformers step with plain bf16 linear layers against the same weights prepacked for oneDNN
+    (``backends/packed.py``), interleaved in one process (both copies held: ~2x the weights' memory)."""
+    from specgraft.backends import load_transformers
+    from specgraft.backends.packed import prepack
+    from specgraft.core.backend import TargetBackend
+
+    os.environ["SPECGRAFT_PREPACK"] = "0"
+    plain, tok, _ = load_transformers(args.model, args.dtype, None, "cpu")
+    fast = load_transformers(args.model, args.dtype, None, "cpu")[0]
+    os.environ["SPECGRAFT_PREPACK"] = "1"
+    swapped = len(prepack(fast))
+    ids = tok(TEXT).input_ids[: args.prefix]
+    arms = {"plain": (TargetBackend(plain), ()), "prepacked": (TargetBackend(fast), ())}
+    res = interleaved(arms, ids, args)
+    for a, per in res.items():
+        print(f"{a:10s} " + " ".join(f"{n}:{ms}" for n, ms in per.items()), file=sys.stderr)
+    return {"what": "packed_ab_ms", "model": args.model, "dtype": args.dtype, "prefix": args.prefix,
+            "reps": args.reps, "layers_packed": swapped, "ms": res}
+
+
 def llama_widths(args) -> dict:
     """Verify cost by width on llama.cpp for several contexts measured in one process, interleaved with the
     order rotated each repetition: the GGUF as it is (without and with its hidden-state tap, reading the
     head's layers or not) and its ``gguf-q8`` variant."""
     from specgraft.backends import llamacpp_backend
-    from specgraft.core.tree import Tree
     from specgraft.registry import shipped_head
     from specgraft.eagle.checkpoint import read_config
 
@@ -174,23 +220,7 @@ def llama_widths(args) -> dict:
     ids = AutoTokenizer.from_pretrained(tok)(TEXT).input_ids[: args.prefix]
     arms = {"gguf, no tap": (no_tap, ()), "gguf, tap idle": (tap, ()), "gguf, tap reading": (tap, layers),
             "gguf-q8": (variant, ())}
-    for be, _ in arms.values():
-        be.prefill(torch.tensor(ids))
-    times: dict[str, dict[int, list[float]]] = {a: {n: [] for n in args.n} for a in arms}
-    names = list(arms)
-    for rep in range(args.reps + 1):  # repetition 0 is the warm-up
-        order = names[rep % len(names):] + names[: rep % len(names)]
-        for n in args.n:
-            tree = Tree.chain(ids[-1], ids[1:n])
-            for a in order:
-                be, hid = arms[a]
-                t = time.perf_counter()
-                be.verify(tree, hidden_layers=hid)
-                dt = time.perf_counter() - t
-                be.truncate(args.prefix)
-                if rep:
-                    times[a][n].append(dt)
-    res = {a: {n: round(statistics.median(v) * 1000, 1) for n, v in per.items()} for a, per in times.items()}
+    res = interleaved(arms, ids, args)
     tap_kind = tap._tap.kind
     print(f"tap: {tap_kind}; layers {layers}", file=sys.stderr)
     for a, per in res.items():
@@ -201,7 +231,7 @@ def llama_widths(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=("verify", "prefill", "memory", "profile", "floor", "llama-widths"))
+    p.add_argument("what", choices=("verify", "prefill", "memory", "profile", "floor", "llama-widths", "packed-ab"))
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
     p.add_argument("--backend", default="transformers")
     p.add_argument("--dtype", default="bfloat16")
@@ -213,7 +243,7 @@ def main() -> None:
     p.add_argument("--flash-attn", type=int, default=None)
     args = p.parse_args()
     print(json.dumps({"verify": verify, "prefill": prefill, "memory": memory, "profile": profile,
-                      "floor": floor, "llama-widths": llama_widths}[args.what](args)))
+                      "floor": floor, "packed-ab": packed_ab, "llama-widths": llama_widths}[args.what](args)))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from specgraft.env import amx_state
 from specgraft.errors import SpecgraftError
 from specgraft.eval.harness import BenchConfig, expand_methods, parse_method, read_records, run_harness
 from specgraft.eval.report import load, markdown, plots
@@ -52,6 +53,7 @@ def test_records_resume_and_report(tmp_path, tiny_engine):
     recs, problems = read_records(out)
     assert not problems and len(recs) == 16  # 4 methods x (2 + 1 + 1 turns)
     assert RECORD_FIELDS <= set(recs[0])
+    assert recs[0]["machine"]["amx"] == amx_state() and recs[0]["machine"]["isa"]  # which matrix engine ran
     assert {r["turn"] for r in recs if r["prompt_id"] == "one"} == {0, 1}
     assert all(r["lossy"] is False and r["commit"] for r in recs)
     assert {r["retrieval_state"] for r in recs if r["method"] == "recycle"} == {"cold"}

@@ -209,7 +209,8 @@ def markdown(rep: Report, command: str | None = None, reference: str | None = No
     lines += [f"- model: {first['model']}, dtype: {first['dtype']}, max_new_tokens: {first['max_new_tokens']}, "
               f"sampling: {first['sampling']}",
               f"- machine: {first['machine']['cpu']}, {first['machine']['cores']} cores, "
-              f"{first['machine']['threads']} threads; versions: {first['versions']}",
+              f"{first['machine']['threads']} threads, AMX {first['machine'].get('amx', 'not recorded')}, "
+              f"vector ISA {first['machine'].get('isa', 'not recorded')}; versions: {first['versions']}",
               *rs.commit_lines(recs),
               f"- retrieval state: {sorted({r['label'] + '=' + r['retrieval_state'] for r in recs if r['retrieval_state']})}",
               "- MAT includes the bonus token (AR = 1). Speedup: AR time per token / method time per token, on the "
