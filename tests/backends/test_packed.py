@@ -1,7 +1,10 @@
 """bf16 linear layers prepacked for oneDNN (``backends/packed.py``): a packed layer must compute what the plain
-layer computes (the same kernel on the same bf16 values, so bit for bit at tree widths), a packed model must give
-the plain model's logits and greedy text, a tied head must get its own copy without touching the embedding, and
-the cost curve's key must tell packed from plain layers."""
+layer computes, a packed model must give the plain model's logits and greedy text, a tied head must get its own
+copy without touching the embedding, and the cost curve's key must tell packed from plain layers.
+
+Where the plain layer also runs oneDNN (bf16 on the AMX machine of docs/benchmarks.md) the two are bit-equal; on
+another CPU a plain bf16 product may take another kernel (PyTorch picks by shape and ISA), so the checks allow one
+bf16 rounding of the output, and greedy text may part only at a near-tie (the backend's declared tie gap)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,14 @@ import torch
 from specgraft.backends import packed
 from specgraft.core.backend import TargetBackend, head_rows, packed_layers
 
-from ..conftest import tiny_llama
+from ..conftest import assert_greedy_equal, tiny_llama
+
+BF16_STEP = 2.0 ** -8  # one bf16 rounding of a value, relative
+
+
+def assert_within_one_rounding(a: torch.Tensor, b: torch.Tensor) -> None:
+    a, b = a.float(), b.float()
+    assert float((a - b).abs().max()) <= BF16_STEP * float(b.abs().max())
 
 pytestmark = pytest.mark.skipif(not packed.available(), reason="this PyTorch has no oneDNN linear ops")
 
@@ -26,13 +36,14 @@ def test_packed_layer_equals_the_plain_layer_bit_for_bit(bias):
         x = torch.randn(2, rows, 96).to(torch.bfloat16)
         y = layer(x)
         assert y.shape == (2, rows, 80) and y.dtype == torch.bfloat16
-        assert torch.equal(y, plain(x)), rows
+        assert_within_one_rounding(y, plain(x))
     # negative control: one weight moved by a few bf16 steps is seen
     w = plain.weight.detach().clone()
     w[5, 7] += 8 * w.abs().max()
     moved = packed.PackedLinear(w, plain.bias)
     x = torch.randn(4, 96).to(torch.bfloat16)
-    assert not torch.equal(moved(x), plain(x))
+    with pytest.raises(AssertionError):
+        assert_within_one_rounding(moved(x), plain(x))
 
 
 def test_a_packed_model_gives_the_plain_models_logits_and_keeps_its_embedding():
@@ -49,7 +60,7 @@ def test_a_packed_model_gives_the_plain_models_logits_and_keeps_its_embedding():
     assert packed_layers(model) == 15 and packed_layers(plain) == 0 and head_rows(model) == 64
     ids = torch.randint(1, 63, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        assert torch.equal(model(input_ids=ids).logits, plain(input_ids=ids).logits)
+        assert_within_one_rounding(model(input_ids=ids).logits, plain(input_ids=ids).logits)
     # through the backend: a tree verify after a prefill, packed against plain
     from specgraft.core.tree import Tree
 
@@ -58,7 +69,7 @@ def test_a_packed_model_gives_the_plain_models_logits_and_keeps_its_embedding():
         be = TargetBackend(m)
         be.prefill(ids[0])
         outs.append(be.verify(Tree.chain(int(ids[0, -1]), [3, 4, 5, 6])).logits)
-    assert torch.equal(*outs)
+    assert_within_one_rounding(*outs)
 
 
 def test_the_curve_key_tells_packed_layers_from_plain_ones(monkeypatch):
@@ -87,7 +98,7 @@ def test_smollm2_bf16_loads_packed_and_decodes_as_the_plain_model(monkeypatch):
     plain = Engine("smollm2-135m", "bfloat16")
     assert "prepacked" not in plain.capabilities.runtime
     prompt = "Write a Python function that removes duplicates from a list."
-    a = fast.generate(prompt, "ar", max_new_tokens=32)
-    assert a.token_ids == plain.generate(prompt, "ar", max_new_tokens=32).token_ids
-    b = fast.generate(prompt, "pld", max_new_tokens=32)
-    assert b.token_ids == plain.generate(prompt, "pld", max_new_tokens=32).token_ids
+    gap = plain.capabilities.tie_gap
+    for method in ("ar", "pld"):
+        ref = plain.generate(prompt, method, max_new_tokens=32)
+        assert_greedy_equal(plain, ref, fast.generate(prompt, method, max_new_tokens=32), f"packed {method}", gap=gap)
