@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from specgraft.eval.lossy_study import (CLAIMS, MIN_N, markdown, paired_quality, points, study_rows, verdict,
-                                        verdict_table)
+from specgraft.eval.lossy_study import (CLAIMS, MIN_N, markdown, paired_quality, points, problems_for_se,
+                                        study_rows, verdict, verdict_table)
 
 N = 200  # problems
 TREE = "budget=8,depth=4,shape=tree,top_k=3"
@@ -64,6 +64,10 @@ def test_paired_quality_golden():
     # differences 0, -1, 0, -1: mean -0.5, sd 0.5774, se 0.2887
     assert d["n"] == 4 and d["mean"] == pytest.approx(-0.5) and d["se"] == pytest.approx(0.57735 / 2, rel=1e-4)
     assert -1.0 <= d["lo"] <= d["mean"] <= d["hi"] <= 0.0
+    # the same spread needs n se^2 / 0.03^2 = 4 * 0.08333 / 0.0009 = 370.4 -> 371 problems for an SE of 3 points
+    assert problems_for_se(d) == 371 and "| 4 | 371 |" in markdown(recs)
+    assert problems_for_se({**d, "se": 0.01}) == 4  # already below the goal: no fewer than it has
+    assert problems_for_se({**d, "n": 1, "se": math.nan}) is None
 
 
 def test_verdicts_follow_the_stated_rules():

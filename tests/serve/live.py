@@ -30,8 +30,8 @@ class _Uvicorn(uvicorn.Server):
 
 class Live:
     """``with Live(server) as url:`` serves ``create_app(server)`` on a free port until the block ends; the
-    engine thread is stopped, every request still in the engine aborted and the server's budget policy taken off
-    the engine afterwards."""
+    server is stopped afterwards (``Server.stop``: the engine loop ends, every request still in the engine is
+    aborted and the engine's own budget policy is restored)."""
 
     def __init__(self, server: Server):
         self.server, self.port = server, free_port()
@@ -52,9 +52,4 @@ class Live:
     def __exit__(self, *exc) -> None:
         self.uv.should_exit = True
         self.thread.join(timeout=10)
-        self.server.runner.stop()
-        engine = self.server.engine
-        for r in list(engine.active):  # leave the shared engine clean for other tests
-            engine.abort(r.id)
-        engine.step()
-        engine.budget_policy = None  # the server's scheduler policy must not shrink later tests' trees
+        self.server.stop()  # leaves the shared engine clean for other tests (no server's policy left behind)

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 import specgraft.engine as engine_mod
+from specgraft.serve import app as app_mod
 from specgraft.serve import runner as runner_mod
 from specgraft.serve.app import Server
 
@@ -239,3 +240,23 @@ def test_a_request_that_does_not_fit_beside_the_running_ones_waits(tiny_engine, 
         assert a.result().status_code == 200 and b.result().status_code == 200
         never = post(url, max_tokens=180)  # more than the whole capacity: a 400, not a wait
         assert never.status_code == 400 and "never fit" in never.json()["error"]["message"]
+
+
+
+def test_stop_ends_the_loop_aborts_what_is_in_flight_and_gives_the_engine_back(tiny_engine, monkeypatch):
+    """An engine outlives its server (tools and tests start several on one engine): ``Server.stop`` ends the
+    engine loop, aborts a request still in the engine and restores the engine's own budget policy (not the
+    server's, and not None)."""
+    def own(req, batch):
+        return req.budget
+
+    monkeypatch.setattr(tiny_engine, "budget_policy", own)
+    monkeypatch.setattr(app_mod, "BatchBudget", lambda engine: "the server's policy")  # no curve to measure here
+    server = Server.start(tiny_engine, method="ar", max_num_seqs=2, warm=False)
+    assert tiny_engine.budget_policy == "the server's policy" and server.runner.alive
+    server.runner.stop()  # the idle loop ends without a step, so the request below stays in the engine
+    rid = tiny_engine.add_request("Tell me a story.", "ar", max_new_tokens=100)
+    assert [r.id for r in tiny_engine.active] == [rid]
+    server.stop()
+    assert not server.runner.alive and not tiny_engine.active and not tiny_engine.has_unfinished()
+    assert tiny_engine.budget_policy is own

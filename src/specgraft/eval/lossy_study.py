@@ -115,6 +115,15 @@ def _mean_interval(d: np.ndarray) -> dict:
     return {"mean": e.point, "se": se, "lo": e.lo if n > 1 else math.nan, "hi": e.hi if n > 1 else math.nan, "n": n}
 
 
+def problems_for_se(d: dict, goal: float = SE_GOAL) -> int | None:
+    """Paired problems the same per-problem spread would need for a standard error of ``goal``
+    (``n se^2 / goal^2``: the SE shrinks as 1/sqrt(n)); None without a spread yet. Tells whether the planned
+    problem set (and one seed) can meet the issue's SE goal before the run ends."""
+    if not d or d.get("n", 0) < 2 or d["se"] != d["se"]:
+        return None
+    return max(d["n"], math.ceil(d["n"] * (d["se"] / goal) ** 2 - 1e-9))
+
+
 def paired_quality(a: Point, b: Point) -> dict:
     """Mean of (a - b) over the problems both scored, its standard error and bootstrap interval."""
     keys = sorted(set(a.quality) & set(b.quality))
@@ -188,8 +197,8 @@ def markdown(records: list[dict], distortion: dict | None = None) -> str:
     rows = study_rows(records)
     datasets = sorted({d for r in rows for d in r["per_dataset"]})
     head = (["point", "LOSSY?", "mode"] + [f"{d} (n)" for d in datasets] +
-            ["correct baseline", "Δ quality, points [95% CI]", "SE", "n", "MAT", "MAT vs base [CI]", "tok/s",
-             "vs AR [CI]", "vs base [CI]", "TV", "KL(π‖b)"])
+            ["correct baseline", "Δ quality, points [95% CI]", "SE", "n", "n for SE 3", "MAT", "MAT vs base [CI]",
+             "tok/s", "vs AR [CI]", "vs base [CI]", "TV", "KL(π‖b)"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         per = [f"{r['per_dataset'][d][0]:.3f} ({r['per_dataset'][d][1]})" if d in r["per_dataset"] else "–"
@@ -202,8 +211,8 @@ def markdown(records: list[dict], distortion: dict | None = None) -> str:
             "–" if r["config"][0][1] == "ar" else "tree" if r["tree"] else "chain", *per,
             r["baseline"] or "–", _ci(delta, pts=True),
             "–" if se != se else f"{100 * se:.1f}{'' if se <= SE_GOAL else ' (> 3)'}",
-            str(delta["n"]) if delta else "–", f"{r['mat']:.2f}", _ci(r.get("mat_vs_base")),
-            f"{r['tokens_per_s']:.1f}", _ci(r["vs_ar"]), _ci(r.get("speed_vs_base")),
+            str(delta["n"]) if delta else "–", str(problems_for_se(delta) or "–"), f"{r['mat']:.2f}",
+            _ci(r.get("mat_vs_base")), f"{r['tokens_per_s']:.1f}", _ci(r["vs_ar"]), _ci(r.get("speed_vs_base")),
             f"{dist['tv']:.3f}" if dist else "–", f"{dist['kl_pi_b']:.3f}" if dist else "–"]) + " |")
     return "\n".join(lines) + "\n"
 

@@ -57,6 +57,7 @@ class Server:
     policy: ClientPolicy = field(default_factory=ClientPolicy)  # what a client may choose (options.py)
     api_key: str | None = None  # clients send "Authorization: Bearer KEY" to /v1/*
     max_body_bytes: int = MAX_BODY_BYTES
+    engine_policy: object = None  # the engine's own budget policy before start put the server's on it
 
     @classmethod
     def start(cls, engine: Engine, name: str | None = None, method: str = "ar", options: dict | None = None,
@@ -71,12 +72,25 @@ class Server:
         if warm:  # load the drafter (and resolve budget auto) now, not inside the first request
             engine.generate("Hello", method, max_new_tokens=2, budget=budget, **(options or {}))
         policy = _build_drafters(engine, method, options or {}, policy)
+        engine_policy = engine.budget_policy
         if batch_budget:  # smaller trees as the batch grows (policy.py); measured on the idle engine
             engine.budget_policy = BatchBudget(engine)
         api_key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
         runner = Runner(engine, metrics, max_num_seqs, max_queue, timeout_s).start()
         return cls(engine, runner, metrics, name, method, dict(options or {}), budget, max_tokens, auto,
-                   policy=policy, api_key=api_key or None, max_body_bytes=max_body_bytes)
+                   policy=policy, api_key=api_key or None, max_body_bytes=max_body_bytes,
+                   engine_policy=engine_policy)
+
+    def stop(self) -> None:
+        """End the engine loop, abort what is still in the engine and give the engine back as start found it (its
+        own budget policy): an engine outlives its server where tools and tests start several on one engine."""
+        self.runner.stop()
+        if self.runner.thread.is_alive():  # still inside a step longer than stop's wait: the loop owns the engine
+            return
+        for r in list(self.engine.active):
+            self.engine.abort(r.id)
+        self.engine.step()  # aborted requests release their caches and drafters' rows here
+        self.engine.budget_policy = self.engine_policy
 
     def tokenize(self, job: Job) -> list[int]:
         """Prompt ids, with the context-length check (in a worker thread: a 1 MB prompt takes a while)."""

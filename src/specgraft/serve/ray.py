@@ -106,7 +106,7 @@ if serve is not None:
         def __del__(self):
             server = getattr(self, "server", None)
             if server is not None:
-                server.runner.stop()
+                server.stop()
             exporter = getattr(self, "exporter", None)
             if exporter is not None:
                 exporter.close()
