@@ -242,7 +242,6 @@ def test_a_request_that_does_not_fit_beside_the_running_ones_waits(tiny_engine, 
         assert never.status_code == 400 and "never fit" in never.json()["error"]["message"]
 
 
-
 def test_stop_ends_the_loop_aborts_what_is_in_flight_and_gives_the_engine_back(tiny_engine, monkeypatch):
     """An engine outlives its server (tools and tests start several on one engine): ``Server.stop`` ends the
     engine loop, aborts a request still in the engine and restores the engine's own budget policy (not the
