@@ -9,6 +9,8 @@ writes every step's timings as JSON.
 
     python scripts/draft_batch_cost.py --model qwen2.5-coder-1.5b --dtype bfloat16 --methods eagle,graft \
         --batch-sizes 1,8 --budget 7 --repeats 3 --out runs/draft-batch-qwen15.json
+    python scripts/draft_batch_cost.py --backend llamacpp --dtype gguf --methods draft \
+        --opts '{"shape": "tree", "top_k": 3, "depth": 4}' --batch-sizes 1,4,8 --budget 8 --out runs/draft-tree.json
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ from specgraft.eval.harness import WARMUP_PROMPT
 
 
 def one_cell(engine: Engine, method: str, prompts: list[str], batch: int, batched: bool, budget: int,
-             max_new_tokens: int) -> list[dict]:
+             max_new_tokens: int, opts: dict) -> list[dict]:
     """Every step with all ``batch`` requests in flight: its drafting seconds (propose + observe) and head
     seconds."""
     engine.batch_drafts = batched
     for p in prompts[:batch]:
-        engine.add_request(p, method, max_new_tokens=max_new_tokens, budget=budget)
+        engine.add_request(p, method, max_new_tokens=max_new_tokens, budget=budget, **opts)
     steps = []
     while engine.has_unfinished():
         full = len(engine.active) == batch
@@ -54,16 +56,18 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=7)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--opts", default="{}", help="the methods' options as JSON, e.g. a draft tree's shape")
     ap.add_argument("--out", default="runs/draft-batch.json")
     args = ap.parse_args()
     engine = Engine(args.model, args.dtype, backend=args.backend)
+    opts = json.loads(args.opts)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     questions = [item.turns[0] for item in load_gsm8k()[::40]]
     cells = [(m, b, mode) for m in args.methods.split(",") for b in sizes
              for mode in (("batched", "alone") if b > 1 else ("batched",))]
     for m in args.methods.split(","):  # warm-up outside the set
         for p in (WARMUP_PROMPT,) * 2:
-            engine.add_request(p, m, max_new_tokens=16, budget=args.budget)
+            engine.add_request(p, m, max_new_tokens=16, budget=args.budget, **opts)
         engine.run()
     steps: dict[str, list[dict]] = {f"{m} B={b} {mode}": [] for m, b, mode in cells}
     for rep in range(args.repeats):
@@ -71,7 +75,7 @@ def main() -> None:
         for m, b, mode in order:
             start = (rep * max(sizes)) % len(questions)
             prompts = (questions[start:] + questions[:start])[:b]
-            got = one_cell(engine, m, prompts, b, mode == "batched", args.budget, args.max_new_tokens)
+            got = one_cell(engine, m, prompts, b, mode == "batched", args.budget, args.max_new_tokens, opts)
             steps[f"{m} B={b} {mode}"].extend(got)
             print(f"repeat {rep} {m} B={b} {mode}: {len(got)} steps, median draft "
                   f"{1000 * statistics.median(s['draft_s'] for s in got):.1f} ms", flush=True)

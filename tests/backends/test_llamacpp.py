@@ -299,23 +299,78 @@ def test_draft_chains_share_one_context_across_requests(engine, monkeypatch):
 
     opts = {"model": "smollm2-135m", "budget": 4}
     shared = engine.drafter("draft", **opts).shared
-    assert shared is not None and not shared.rows
+    assert shared is not None and all(not c.rows for c in shared.contexts)
     alone = [engine.generate(p, "draft", max_new_tokens=24, **opts).token_ids for p in PROMPTS[:3]]
-    decodes, real = [], shared.backend.feed_rows
-    monkeypatch.setattr(shared.backend, "feed_rows", lambda rows, chains: decodes.append(len(rows)) or
+    (context,) = shared.contexts  # one request at a time used one context
+    decodes, real = [], context.backend.feed_rows
+    monkeypatch.setattr(context.backend, "feed_rows", lambda rows, chains: decodes.append(len(rows)) or
                         real(rows, chains))
     ids = [engine.add_request(p, "draft", max_new_tokens=24, **opts) for p in PROMPTS[:3]]
     results = engine.run()
     assert [results[i].token_ids for i in ids] == alone
     assert max(decodes) == 3 and sum(decodes) > len(decodes)  # rounds fed several requests in one decode
-    assert not shared.rows and shared.backend.rows == 0
+    assert len(shared.contexts) == 1 and not context.rows and context.backend.rows == 0
     lost = engine.drafter("draft", **opts).fork()
     lost.start(PROMPT, None)
-    assert shared.backend.rows == 1
+    assert context.backend.rows == 1
     del lost
     gc.collect()
     kept = engine.drafter("draft", **opts).fork()
     kept.start(PROMPT, None)
-    assert shared.backend.rows == 1 and shared.rows[0]() is kept
+    assert context.backend.rows == 1 and context.rows[0]() is kept
     kept.release()
-    assert shared.backend.rows == 0
+    assert context.backend.rows == 0
+
+
+def test_extend_rows_equals_each_rows_extend_and_fails_whole(engine):
+    """Two rows' speculative levels in one decode give each row's own logits (each node sees its row's prefix and
+    ancestors only); a refused call leaves every row as it was; truncate_row frees one row's nodes."""
+    prompts = [PROMPT, PROMPT[3:] + [421, 77]]
+    be = engine.backend.clone()
+    for p in prompts:
+        be.add(torch.tensor(p))
+    free = len(be._free)
+    base = [len(p) for p in prompts]
+    first = be.extend_rows([0, 1], [torch.tensor([500, 600]), torch.tensor([700])],
+                           [torch.tensor([base[0]] * 2), torch.tensor([base[1]])],
+                           [torch.eye(2, dtype=torch.bool), torch.eye(1, dtype=torch.bool)])
+    second = be.extend_rows([1], [torch.tensor([800])], [torch.tensor([base[1] + 1])], [torch.tensor([[True, True]])])
+    ref0 = single_steps(engine, prompts[0] + [600], len(prompts[0]))
+    ref1 = single_steps(engine, prompts[1] + [700, 800], len(prompts[1]))
+    assert torch.allclose(first[0][1], ref0[0], atol=1e-4) and torch.allclose(first[1][0], ref1[0], atol=1e-4)
+    assert torch.allclose(second[0][0], ref1[1], atol=1e-4)
+    assert len(be._free) == free - 4
+    with pytest.raises(ValueError):  # row 1's node would see a node appended with it
+        be.extend_rows([0, 1], [torch.tensor([1]), torch.tensor([2, 3])], [torch.tensor([9]), torch.tensor([9, 9])],
+                       [torch.tensor([[False, False, True]]), torch.ones(2, 4, dtype=torch.bool)])
+    with pytest.raises(ValueError):
+        be.extend_rows([1, 1], [torch.tensor([1])] * 2, [torch.tensor([9])] * 2, [torch.tensor([[0, 0, 1]]).bool()] * 2)
+    assert len(be._free) == free - 4 and [len(s) for s in be._spec] == [2, 2]
+    be.truncate_row(1, base[1])
+    assert len(be._free) == free - 2 and [len(s) for s in be._spec] == [2, 0] and be.lengths == base
+    with pytest.raises(ValueError):
+        be.truncate(base[0])  # two rows: truncate names none
+    got = be.feed_rows([1], [[900]])[0]
+    assert torch.allclose(got, single_steps(engine, prompts[1] + [900], len(prompts[1]))[0], atol=1e-4)
+
+
+def test_draft_trees_share_contexts_across_requests(engine, monkeypatch):
+    """Draft-model trees on llama.cpp: each lockstep round puts every request's tree level in one decode of a
+    shared context, opening a second context when a row's sequence ids would not fit; greedy outputs equal each
+    request decoded alone, and every borrowed id comes back."""
+    opts = {"model": "smollm2-135m", "shape": "tree", "budget": 8, "top_k": 3, "depth": 3}
+    shared = engine.drafter("draft", **opts).shared
+    assert shared is not None and shared.ids_per_row == 2 + 3 * 3
+    alone = [engine.generate(p, "draft", max_new_tokens=24, **opts).token_ids for p in PROMPTS[:3]]
+    monkeypatch.setattr(shared, "ids_per_row", 100)  # two rows per context: three requests need two contexts
+    levels = []
+    for c in shared.contexts:
+        real = c.backend.extend_rows
+        monkeypatch.setattr(c.backend, "extend_rows", lambda rows, *a, real=real: levels.append(len(rows)) or
+                            real(rows, *a))
+    ids = [engine.add_request(p, "draft", max_new_tokens=24, **opts) for p in PROMPTS[:3]]
+    results = engine.run()
+    assert [results[i].token_ids for i in ids] == alone
+    assert len(shared.contexts) == 2 and max(levels) == 2  # the first context's rounds held two requests' levels
+    for c in shared.contexts:
+        assert not c.rows and c.backend.rows == 0 and len(c.backend._free) == c.backend.capacity()["seq_ids"]

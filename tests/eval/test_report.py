@@ -248,3 +248,39 @@ def test_tables_divide_by_the_runs_ar_when_it_is_not_labelled_ar():
     assert "| prompt | llama-ar tok/s | llama-pld | server |" in md and "| 1.50x / 1.00 | 2.00x / 1.00 |" in md
     md = markdown(rep, reference="server")
     assert "speedup vs server |" in md and "| all | llama-ar | 3 | 300 | 10.00 | 0.50x |" in md
+
+
+def test_sampled_labels_are_not_called_identical_and_a_cut_run_is_incomplete_not_failed():
+    """Token equality is a greedy-lossless check: a sampled label gets 'not checked (sampled ...)', even when its
+    ids happen to equal AR's; a key a label lacks (a cut run) is listed as incomplete, not as a FAIL."""
+    recs = make_run(3, {"pld": 1.5})
+    for r in recs:
+        if r["label"] == "pld":
+            r["greedy"] = False
+    recs = [r for r in recs if not (r["label"] == "pld" and r["prompt_id"] == "2")]
+    rep = report_of(recs)
+    md = markdown(rep)
+    assert "- pld: not checked (sampled or lossy" in md and "pld vs ar: identical" not in md
+    assert "## Incomplete" in md and "- pld has no record for ('ds', '2', 0, 0)" in md and "FAIL" not in md
+    assert not rep.ok
+    greedy = make_run(3, {"pld": 1.5})
+    assert "- pld vs ar: identical" in markdown(report_of(greedy))  # the control: greedy is still checked
+
+
+def test_the_header_lists_every_machine_a_resumed_file_mixes():
+    recs = make_run(2, {"pld": 1.5})
+    assert sum(line.startswith("- machine") for line in markdown(report_of(recs)).splitlines()) == 1
+    for r in recs[:2]:
+        r["machine"] = {"cpu": "Intel Xeon", "cores": 2, "threads": 2, "amx": "present", "isa": "amx_bf16"}
+    md = markdown(report_of(recs))
+    assert "- machines (records were written on several" in md
+    assert "  - Intel Xeon, 2 cores, 2 threads, AMX present, vector ISA amx_bf16; versions: {} (2 records)" in md
+    assert "  - cpu, 2 cores, 2 threads, AMX not recorded, vector ISA not recorded; versions: {} (2 records)" in md
+
+
+def test_a_batched_run_says_how_its_times_read():
+    recs = make_run(2, {"pld": 1.5})
+    assert "Batched groups" not in markdown(report_of(recs))
+    for r in recs:
+        r["batch"] = {"size": 4, "group": 0, "id": "x", "in_flight": 2, "wall_s": 1.0, "invariant": False}
+    assert "- Batched groups of 4 conversations: each turn's time is its latency" in markdown(report_of(recs))

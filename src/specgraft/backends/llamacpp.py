@@ -218,7 +218,7 @@ class LlamaCppBackend(RowLengths):
         self._grave_cells = 0
         # per row, of the last verify: (a sequence through each node, the borrowed ids, each node's depth)
         self._steps: list[tuple[list[int], list[int], list[int]]] = []
-        self._spec: list[tuple[int, int]] = []  # extend(): (sequence, position) of each speculative node
+        self._spec: list[list[tuple[int, int]]] = []  # per row, extend's (sequence, position) of each spec. node
 
     def capacity(self) -> dict[str, int]:
         """KV cells (ballast and graveyard are reclaimable, so not counted) and sequence ids (all but the
@@ -328,6 +328,7 @@ class LlamaCppBackend(RowLengths):
         self._ballast_cells.append(0)
         self.lengths.append(t)
         self._steps.append(([], [], []))
+        self._spec.append([])
         hidden = {i: torch.cat([c[1][i] for c in chunks]) for i in hidden_layers} if hidden_layers else None
         return VerifyOutput(torch.cat([c[0] for c in chunks]), hidden)
 
@@ -348,8 +349,9 @@ class LlamaCppBackend(RowLengths):
         else:
             self.lc.llama_memory_seq_rm(self.mem, GRAVE, -1, -1)
             self._grave_cells = 0
-        self._release([home, ballast, *self._steps[row][1]])
+        self._release([home, ballast, *self._steps[row][1], *(s for s, _ in self._spec[row])])
         del self.lengths[row], self.home[row], self.ballast[row], self._ballast_cells[row], self._steps[row]
+        del self._spec[row]
 
     # -- one verification step for every row ----------------------------------------------------------------
     def verify_batch(self, trees: list[Tree], hidden_layers: tuple[int, ...] = ()) -> list[VerifyOutput]:
@@ -452,29 +454,59 @@ class LlamaCppBackend(RowLengths):
         self.commit_batch([accepted])
 
     def extend(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """Append ``n`` speculative nodes; ``visible: bool[n, A + n]`` over the ``A`` appended before and the new
-        ones (a new node may see only itself among the new ones). Each node gets its own sequence: the prefix
-        plus the cells of the earlier nodes it sees."""
-        a, n = len(self._spec), int(tokens.shape[0])
-        if visible[:, a:].ne(torch.eye(n, dtype=torch.bool)).any():
-            raise ValueError("llama.cpp extend: a new node may see only itself among the nodes appended with it")
-        if n > self.settings.n_batch:
-            raise SpecgraftError(f"llama.cpp extend: {n} nodes exceed n_batch {self.settings.n_batch}")
-        self._make_room(n)
-        home, new = self.home[0], self._borrow(n)
-        for j, s in enumerate(new):
-            self.lc.llama_memory_seq_cp(self.mem, home, s, -1, -1)
-            for k in visible[j, :a].nonzero().flatten().tolist():
-                ks, kp = self._spec[k]
-                self.lc.llama_memory_seq_cp(self.mem, ks, s, kp, kp + 1)
-        pos = positions.tolist()
+        """Append ``n`` speculative nodes to the one row; ``visible: bool[n, A + n]`` over the ``A`` appended before
+        and the new ones (a new node may see only itself among the new ones)."""
+        return self.extend_rows([0], [tokens], [positions], [visible])[0]
+
+    def extend_rows(self, rows: list[int], tokens: list[torch.Tensor], positions: list[torch.Tensor],
+                    visible: list[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`extend` for several rows in one decode (split only past ``n_batch``): a draft model's tree level
+        for every request sharing its context. Each node gets its own sequence: its row's prefix plus the cells
+        of that row's earlier nodes it sees. All or nothing: on failure no row keeps a new node."""
+        sizes = [int(t.shape[0]) for t in tokens]
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"llama.cpp extend: rows {rows} name a row twice")
+        for r, n, vis in zip(rows, sizes, visible):
+            a = len(self._spec[r])
+            if tuple(vis.shape) != (n, a + n) or vis[:, a:].ne(torch.eye(n, dtype=torch.bool)).any():
+                raise ValueError("llama.cpp extend: visible must be [n, A + n] and a new node may see only itself "
+                                 "among the nodes appended with it")
+        if any(not 0 < n <= self.settings.n_batch for n in sizes):
+            raise SpecgraftError(f"llama.cpp extend: {sizes} nodes per row (each 1..n_batch {self.settings.n_batch})")
+        if sum(sizes) > len(self._free):
+            raise SpecgraftError(f"llama.cpp extend: {sum(sizes)} nodes need as many sequence ids, "
+                                 f"{len(self._free)} are free (smaller draft trees, or fewer requests per context)")
+        self._make_room(sum(sizes))
+        placed: list[tuple[int, list[int], list[int]]] = []  # (row, its new sequences, their positions)
+        for r, n, pos, vis in zip(rows, sizes, positions, visible):
+            new = self._borrow(n)
+            placed.append((r, new, pos.tolist()))
+            for j, s in enumerate(new):
+                self.lc.llama_memory_seq_cp(self.mem, self.home[r], s, -1, -1)
+                for k in vis[j, : len(self._spec[r])].nonzero().flatten().tolist():
+                    ks, kp = self._spec[r][k]
+                    self.lc.llama_memory_seq_cp(self.mem, ks, s, kp, kp + 1)
+        groups, size = [[]], 0  # consecutive rows, at most n_batch nodes per decode
+        for j, n in enumerate(sizes):
+            if groups[-1] and size + n > self.settings.n_batch:
+                groups.append([])
+                size = 0
+            groups[-1].append(j)
+            size += n
+        out: list[torch.Tensor] = []
         try:
-            logits, _ = self._decode(tokens.tolist(), pos, [[s] for s in new], np.ones(n, dtype=np.int8))
+            for group in groups:
+                toks = [t for j in group for t in tokens[j].tolist()]
+                pos = [p for j in group for p in placed[j][2]]
+                seqs = [[s] for j in group for s in placed[j][1]]
+                logits, _ = self._decode(toks, pos, seqs, np.ones(len(toks), dtype=np.int8))
+                out += list(logits.split([sizes[j] for j in group]))
         except Exception:
-            self._release(new)
+            self._release([s for _, new, _ in placed for s in new])
             raise
-        self._spec += list(zip(new, pos))
-        return logits
+        for r, new, pos in placed:
+            self._spec[r] += list(zip(new, pos))
+        return out
 
     def feed_rows(self, rows: list[int], chains: list[list[int]]) -> torch.Tensor:
         """Append ``chains[j]`` to row ``rows[j]``'s committed prefix, for all ``j`` in one decode (split only past
@@ -514,14 +546,16 @@ class LlamaCppBackend(RowLengths):
         return logits
 
     def truncate_row(self, row: int, length: int) -> None:
-        """Drop row ``row``'s cached positions from ``length`` on."""
+        """Drop row ``row``'s speculative nodes (extend's, an uncommitted verify's) and its cached positions from
+        ``length`` on."""
+        self._release([s for s, _ in self._spec[row]] + self._steps[row][1])
+        self._spec[row], self._steps[row] = [], ([], [], [])
         self.lc.llama_memory_seq_rm(self.mem, self.home[row], length, -1)
         self.lengths[row] = min(self.lengths[row], length)
 
     def truncate(self, length: int) -> None:
-        """Drop every speculative node (extend's, an uncommitted verify's) and cached positions from ``length`` on."""
-        self._release([s for s, _ in self._spec] + self._steps[0][1])
-        self._spec, self._steps[0] = [], ([], [], [])
-        self.lc.llama_memory_seq_rm(self.mem, self.home[0], length, -1)
-        self.lengths[0] = min(self.prefix_len, length)
+        """:meth:`truncate_row` of the one row."""
+        if self.rows != 1:
+            raise ValueError(f"truncate needs exactly one row, the cache has {self.rows}")
+        self.truncate_row(0, length)
 

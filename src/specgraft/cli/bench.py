@@ -143,7 +143,8 @@ def report(
     bad = {k: v for k, v in rep.mismatches.items() if v and (strict or k in fp32)}
     if not rep.ok or bad:
         problems = rep.problems + rep.missing + [f"{k}: {len(v)} greedy divergence(s) from AR" for k, v in bad.items()]
-        print(f"error: exactness check failed: {problems[0]} ({len(problems)} problem(s))", file=sys.stderr)
+        what = "the run is incomplete" if not rep.problems and not bad else "exactness check failed"
+        print(f"error: {what}: {problems[0]} ({len(problems)} problem(s))", file=sys.stderr)
         raise typer.Exit(1)
 
 

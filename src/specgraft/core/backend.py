@@ -51,8 +51,8 @@ class Capabilities:
     hidden_states: bool = False  # returns the hidden state entering chosen layers (EAGLE-3 heads, Graft on them)
     references: tuple[str, ...] = ()  # outside references whose library loop runs on ``Backend.model``
     label: str = ""  # how messages name it ("llama.cpp"); ``name`` when empty
-    # ``feed_rows`` / ``truncate_row``: append chains to chosen rows in one forward, so a draft model's ONE
-    # context serves every request in flight (their draft forwards batched; drafters/draft_model.py)
+    # ``feed_rows`` / ``extend_rows`` / ``truncate_row``: append chains, or tree levels, to chosen rows in one
+    # forward, so a draft model's context serves every request in flight (drafts batched; drafters/draft_model.py)
     row_feeds: bool = False
     # Below this logit gap a tree forward and a one-token forward may pick different tokens (a near-tie): a few
     # bf16 ULPs at typical logit sizes (the measured divergences: <= 0.25); fp32: the tests' tie gap; llama.cpp:

@@ -107,6 +107,8 @@ def drive(steps: Generator[Work, Any, Any]):
         except StopIteration as stop:
             return stop.value
         result = work.runner.run([work])[0]
+        if isinstance(result, Exception):  # a runner reports a unit's failure as its result
+            raise result
 
 
 def drive_all(all_steps: list[ProposeSteps]) -> tuple[list[Any], list[float]]:

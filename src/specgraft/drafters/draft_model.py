@@ -26,7 +26,7 @@ from typing import Any, Generator
 import torch
 
 from ..core.backend import Backend, TargetBackend
-from .dynamic_tree import Candidates, Gate, candidates_tree, expand_topk
+from .dynamic_tree import Candidates, Gate, candidates_tree, expand_topk_steps
 from ..core.sampling import make_generator, target_probs
 from ..core.tree import SOURCE_DRAFT, Tree, path_to
 from ..core.drafter import DraftContext, ProposeSteps, drive
@@ -46,17 +46,39 @@ class Feed:
     def weight(self) -> int:
         return len(self.tokens)
 
+    def run_alone(self) -> torch.Tensor:
+        return self.drafter.feed_alone(self.tokens)
+
+
+@dataclass
+class Extend:
+    """One level of a draft-model tree (``core.drafter.Work``): append the frontier's ``n`` nodes as speculative
+    positions (``Backend.extend``'s arguments); the result is their logits ``[n, V]``."""
+
+    runner: Any
+    drafter: "DraftModelDrafter"
+    tokens: torch.Tensor  # [n]
+    positions: torch.Tensor  # [n]
+    visible: torch.Tensor  # bool [n, A + n]: the row's A earlier speculative nodes, then the new ones
+
+    @property
+    def weight(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def run_alone(self) -> torch.Tensor:
+        return self.drafter.extend_alone(self.tokens, self.positions, self.visible)
+
 
 class OwnCache:
-    """The runner of drafters with a cache of their own (a transformers draft model): one forward per feed. A
-    feed that fails returns its exception, so the others (already fed) are never run twice."""
+    """The runner of drafters with a cache of their own (a transformers draft model): one forward per unit. A
+    unit that fails returns its exception, so the others (already run) are never run twice."""
 
     @staticmethod
-    def run(units: list[Feed]) -> list[torch.Tensor | Exception]:
+    def run(units: list[Feed | Extend]) -> list[torch.Tensor | Exception]:
         out: list[torch.Tensor | Exception] = []
         for u in units:
             try:
-                out.append(u.drafter.feed_alone(u.tokens))
+                out.append(u.run_alone())
             except Exception as err:  # noqa: BLE001 -- that request's drafter failed alone
                 out.append(err)
         return out
@@ -65,59 +87,146 @@ class OwnCache:
 OWN_CACHE = OwnCache()
 
 
-class SharedCache:
-    """ONE draft-model context whose rows are the requests in flight (a backend that declares ``row_feeds``:
-    llama.cpp): each lockstep round, every request's feed goes into one decode, so B requests' draft tokens
-    cost about one forward instead of B (docs/design.md §4.3)::
-
-        row 0: [ prompt a ... | a1 a2 ]  <- feed [b]          one decode: [b] at row 0, [y1 y2 c] at row 1
-        row 1: [ prompt b ........... ]  <- feed [y1 y2 c]
-
-    Rows hold weak references to their drafters: a fork that is never released (a request dropped without
-    finishing) loses its row at the next join or run, not later."""
+class _Context:
+    """One draft-model context of a :class:`SharedCache` and the drafters whose rows it holds (weakly)."""
 
     def __init__(self, backend: Backend):
-        self.backend = backend.clone()  # its own context: nothing else resets or feeds its rows
+        self.backend = backend
         self.rows: list[weakref.ref] = []
 
-    def _prune(self) -> None:
+    def prune(self) -> None:
         for i in reversed(range(len(self.rows))):
             if self.rows[i]() is None:
                 self.backend.remove(i)
                 del self.rows[i]
 
-    def row(self, drafter: "DraftModelDrafter") -> int:
-        for i, ref in enumerate(self.rows):
-            if ref() is drafter:
-                return i
+    def index(self, drafter: "DraftModelDrafter") -> int | None:
+        return next((i for i, ref in enumerate(self.rows) if ref() is drafter), None)
+
+
+class SharedCache:
+    """Draft-model contexts whose rows are the requests in flight (a backend that declares ``row_feeds``:
+    llama.cpp): each lockstep round, every request's feed (a chain token, a tree's root) goes into one decode
+    per context, and every request's tree level into another, so B requests' draft work costs about one forward
+    instead of B (docs/design.md §4.3)::
+
+        row 0: [ prompt a ... | a1 a2 ]  <- feed [b]          one decode: [b] at row 0, [y1 y2 c] at row 1
+        row 1: [ prompt b ........... ]  <- feed [y1 y2 c]
+
+    A row holds ``ids_per_row`` sequence ids at most (its home and ballast, and one per tree node it drafts): a
+    context takes rows while their ids fit, and a new context is opened beside it when they do not.
+    Rows hold weak references to their drafters: a fork that is never released (a request dropped without
+    finishing) loses its row at the next join or run, not later."""
+
+    def __init__(self, backend: Backend, ids_per_row: int = 2):
+        self.source = backend  # contexts are clones: nothing else resets or feeds their rows
+        self.ids_per_row = ids_per_row
+        self.contexts: list[_Context] = []
+
+    def _prune(self) -> None:
+        for c in self.contexts:
+            c.prune()
+
+    def row(self, drafter: "DraftModelDrafter") -> tuple[_Context, int]:
+        for c in self.contexts:
+            i = c.index(drafter)
+            if i is not None:
+                return c, i
         raise SpecgraftError("this draft-model drafter holds no row of its shared cache (released, or never started)")
 
     def join(self, drafter: "DraftModelDrafter", prompt_ids: list[int]) -> None:
-        if any(ref() is drafter for ref in self.rows):
+        if any(c.index(drafter) is not None for c in self.contexts):
             raise SpecgraftError("a draft-model drafter instance serves one request at a time: fork it per request")
         self._prune()
-        self.backend.add(torch.tensor(prompt_ids, dtype=torch.long))
-        self.rows.append(weakref.ref(drafter))
+        ctx = next((c for c in self.contexts
+                    if (len(c.rows) + 1) * self.ids_per_row <= c.backend.capacity()["seq_ids"]), None)
+        if ctx is None:
+            ctx = _Context(self.source.clone())
+            self.contexts.append(ctx)
+        ctx.backend.add(torch.tensor(prompt_ids, dtype=torch.long))
+        ctx.rows.append(weakref.ref(drafter))
 
     def leave(self, drafter: "DraftModelDrafter") -> None:
-        if any(ref() is drafter for ref in self.rows):
-            i = self.row(drafter)
-            self.backend.remove(i)
-            del self.rows[i]
+        for c in self.contexts:
+            i = c.index(drafter)
+            if i is not None:
+                c.backend.remove(i)
+                del c.rows[i]
 
     def truncate(self, drafter: "DraftModelDrafter", length: int) -> None:
-        self.backend.truncate_row(self.row(drafter), length)
+        c, i = self.row(drafter)
+        c.backend.truncate_row(i, length)
 
-    def run(self, units: list[Feed]) -> list[torch.Tensor]:
+    def run(self, units: list[Feed | Extend]) -> list[torch.Tensor | Exception]:
+        """Per context, its feeds in one decode and its tree levels in another; results in the units' order. A
+        decode that fails changes nothing (``feed_rows`` / ``extend_rows`` are all or nothing), so its units are
+        retried one by one here and only those that fail alone return their exception: none runs twice."""
         self._prune()
-        start = time.perf_counter()
-        logits = self.backend.feed_rows([self.row(u.drafter) for u in units], [u.tokens for u in units])
-        elapsed = time.perf_counter() - start
-        total = sum(u.weight for u in units)
-        for u in units:
-            u.drafter.forwards += 1
-            u.drafter.forward_s += elapsed * u.weight / total
-        return list(logits)
+        where = [self.row(u.drafter) for u in units]
+        out: list[torch.Tensor | Exception | None] = [None] * len(units)
+        for c in self.contexts:
+            for kind in (Feed, Extend):
+                idx = [j for j, (cj, _) in enumerate(where) if cj is c and isinstance(units[j], kind)]
+                if not idx:
+                    continue
+                try:
+                    got = _run_rows(c.backend, [units[j] for j in idx], [where[j][1] for j in idx])
+                except Exception:  # noqa: BLE001 -- find which unit fails: run each alone
+                    got = []
+                    for j in idx:
+                        try:
+                            got += _run_rows(c.backend, [units[j]], [where[j][1]])
+                        except Exception as err:  # noqa: BLE001
+                            got.append(err)
+                for j, result in zip(idx, got):
+                    out[j] = result
+        return out
+
+
+def _run_rows(backend: Backend, units: list[Feed | Extend], rows: list[int]) -> list[torch.Tensor]:
+    """Units of one kind on ``rows`` of one context in one decode; each drafter is charged its share by weight."""
+    start = time.perf_counter()
+    if isinstance(units[0], Feed):
+        got = list(backend.feed_rows(rows, [u.tokens for u in units]))
+    else:
+        got = backend.extend_rows(rows, [u.tokens for u in units], [u.positions for u in units],
+                                  [u.visible for u in units])
+    elapsed = time.perf_counter() - start
+    total = sum(u.weight for u in units)
+    for u in units:
+        u.drafter.forwards += 1
+        u.drafter.forward_s += elapsed * u.weight / total
+    return got
+
+
+class _Levels:
+    """The candidates a draft tree has generated (mirroring ``expand_topk_steps``) and the slots of those fed
+    as speculative positions: what each level's ``Extend`` needs (tokens, positions, visibility)."""
+
+    def __init__(self, tokens: list[int], parents: list[int], base: int):
+        self.tokens, self.parents, self.base = tokens, parents, base
+        self.fed: dict[int, int] = {}  # candidate index -> its slot among the row's speculative positions
+
+    def nodes(self, frontier: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        slots = [len(self.fed) + j for j in range(len(frontier))]
+        visible = torch.zeros(len(frontier), len(self.fed) + len(frontier), dtype=torch.bool)
+        depth = []
+        for j, f in enumerate(frontier):
+            path = path_to(self.parents, f)  # f's speculative ancestors, then f itself
+            visible[j, slots[j]] = True
+            visible[j, [self.fed[a] for a in path[:-1]]] = True
+            depth.append(len(path))
+        for j, f in enumerate(frontier):
+            self.fed[f] = slots[j]
+        # The root (the last committed token) sits at position base - 1, so a node at depth d (root's children:
+        # d = 1) sits at base + d - 1, as in the chain path.
+        return torch.tensor([self.tokens[f] for f in frontier]), torch.tensor(depth) + self.base - 1, visible
+
+    def add_children(self, frontier: list[int], top: torch.Tensor) -> None:
+        """The candidates ``expand_topk_steps`` appends next: each frontier node's top-k, in frontier order."""
+        for j, f in enumerate(frontier):
+            self.tokens.extend(top[j].tolist())
+            self.parents.extend([f] * int(top.shape[1]))
 
 
 class DraftModelDrafter:
@@ -133,8 +242,10 @@ class DraftModelDrafter:
             raise ValueError("draft tree needs integer top_k >= 1 and depth >= 0")
         self.backend = TargetBackend(model) if isinstance(model, torch.nn.Module) else model
         self.label, self.shape, self.top_k, self.depth = label, shape, top_k, depth
-        # Chains on a backend whose rows can be fed together share its one context (trees extend a single row)
-        self.shared = SharedCache(self.backend) if shape == "chain" and self.backend.capabilities.row_feeds else None
+        # On a backend whose rows can be fed together, requests share its contexts: a row holds its home and
+        # ballast ids, and a tree's rows one more per node drafted (top_k per level)
+        ids = 2 + (top_k * depth if shape == "tree" else 0)
+        self.shared = SharedCache(self.backend, ids) if self.backend.capabilities.row_feeds else None
         self.runner = self.shared or OWN_CACHE
         self.cached = 0  # positions of ctx.ids that the draft cache holds
         self.base = 0  # len(ctx.ids) at the last proposal
@@ -174,6 +285,13 @@ class DraftModelDrafter:
         self.forward_s += time.perf_counter() - t0
         return out.logits[-1]
 
+    def extend_alone(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        logits = self.backend.extend(tokens, positions, visible)
+        self.forwards += 1
+        self.forward_s += time.perf_counter() - t0
+        return logits
+
     def _truncate(self, length: int) -> None:
         if self.shared is not None:
             self.shared.truncate(self, length)
@@ -184,10 +302,10 @@ class DraftModelDrafter:
         return drive(self.propose_steps(ctx))
 
     def propose_steps(self, ctx: DraftContext) -> ProposeSteps:
-        """Chains hand out their feeds (``Feed``), so the engine runs every request's in one decode of a shared
-        cache; trees run whole."""
+        """Chains hand out their feeds (``Feed``), trees their root feed and levels (``Extend``), so the engine runs
+        every request's in one decode of a shared cache."""
         if self.shape == "tree":
-            return candidates_tree(ctx, self.draft(ctx), ctx.budget)
+            return candidates_tree(ctx, (yield from self.draft_steps(ctx)), ctx.budget)
         drafts, probs, _ = yield from self.chain_steps(ctx, ctx.budget)
         return Tree.chain(ctx.ids[-1], drafts, SOURCE_DRAFT, draft_probs=probs)
 
@@ -240,50 +358,34 @@ class DraftModelDrafter:
         return drafts, probs, stop_stats
 
     def draft(self, ctx: DraftContext, gate: Gate | None = None) -> Candidates | None:
+        """:meth:`draft_steps` run alone."""
+        return drive(self.draft_steps(ctx, gate))
+
+    def draft_steps(self, ctx: DraftContext, gate: Gate | None = None
+                    ) -> Generator[Feed | Extend, torch.Tensor, Candidates | None]:
         """EAGLE-2-style dynamic tree from the draft model: beam by cumulative log-prob (``gate`` may stop
-        it early). Candidates are deterministic (top-k), so trees are verified with the q = 1 rule.
-        """
+        it early). Candidates are deterministic (top-k), so trees are verified with the q = 1 rule. Yields the
+        root's feed, then one ``Extend`` per level; the speculative nodes are dropped when it ends."""
         self.base, self.drafted = len(ctx.ids), 0
-        root_logits = self.feed_alone(ctx.ids[self.cached:])
+        root_logits = yield Feed(self.runner, self, ctx.ids[self.cached:])
         self.cached = self.base
         if ctx.budget <= 0:
             return None
-        fed: dict[int, int] = {}  # candidate index -> its slot among the appended speculative positions
-        state = {"tokens": [], "parents": []}
-
-        def expand(frontier: list[int]) -> torch.Tensor:
-            toks, pars = state["tokens"], state["parents"]
-            slots = [len(fed) + j for j in range(len(frontier))]
-            width = len(fed) + len(frontier)
-            visible = torch.zeros(len(frontier), width, dtype=torch.bool)
-            depth = []
-            for j, f in enumerate(frontier):
-                path = path_to(pars, f)  # f's speculative ancestors, then f itself
-                visible[j, slots[j]] = True
-                visible[j, [fed[a] for a in path[:-1]]] = True
-                depth.append(len(path))
-            for j, f in enumerate(frontier):
-                fed[f] = slots[j]
-            # The root (the last committed token) sits at position prefix_len - 1, so a node at depth d (root's
-            # children: d = 1) sits at prefix_len + d - 1, as in the chain path.
-            t0 = time.perf_counter()
-            logits = self.backend.extend(torch.tensor([toks[f] for f in frontier]),
-                                         torch.tensor(depth) + self.backend.prefix_len - 1, visible)
-            self.forwards += 1
-            self.forward_s += time.perf_counter() - t0
-            logp = torch.log_softmax(logits.float(), -1)
-            top = torch.topk(logp, self.top_k, dim=-1).indices
-            for j, f in enumerate(frontier):  # mirror the candidates expand_topk appends next
-                toks.extend(top[j].tolist())
-                pars.extend([f] * self.top_k)
-            return logp
-
         first = torch.log_softmax(root_logits.float(), -1)
-        state["tokens"] = torch.topk(first, self.top_k).indices.tolist()
-        state["parents"] = [-1] * self.top_k
-        cands = expand_topk(first, expand, self.top_k, self.depth, gate)
-        self.backend.truncate(self.base)
-        return cands
+        level = _Levels(torch.topk(first, self.top_k).indices.tolist(), [-1] * self.top_k, self.base)
+        steps = expand_topk_steps(first, self.top_k, self.depth, gate)
+        logp = None
+        try:
+            while True:
+                try:
+                    frontier = steps.send(logp)
+                except StopIteration as stop:
+                    return stop.value
+                logits = yield Extend(self.runner, self, *level.nodes(frontier))
+                logp = torch.log_softmax(logits.float(), -1)
+                level.add_children(frontier, torch.topk(logp, self.top_k, dim=-1).indices)
+        finally:
+            self._truncate(self.base)
 
     def observe(self, tree, logits, verdict, hidden=None) -> None:
         if self.shape == "tree" or self.drafted == 0:

@@ -208,13 +208,12 @@ def markdown(rep: Report, command: str | None = None, reference: str | None = No
         lines += [f"Reproduce: `{command}`", ""]
     lines += [f"- model: {first['model']}, dtype: {first['dtype']}, max_new_tokens: {first['max_new_tokens']}, "
               f"sampling: {first['sampling']}",
-              f"- machine: {first['machine']['cpu']}, {first['machine']['cores']} cores, "
-              f"{first['machine']['threads']} threads, AMX {first['machine'].get('amx', 'not recorded')}, "
-              f"vector ISA {first['machine'].get('isa', 'not recorded')}; versions: {first['versions']}",
+              *rs.machine_lines(recs),
               *rs.commit_lines(recs),
               f"- retrieval state: {sorted({r['label'] + '=' + r['retrieval_state'] for r in recs if r['retrieval_state']})}",
               "- MAT includes the bonus token (AR = 1). Speedup: AR time per token / method time per token, on the "
-              "same prompts in the same run (equal to the wall-time ratio when outputs are identical).", ""]
+              "same prompts in the same run (equal to the wall-time ratio when outputs are identical).",
+              *_batched_lines(recs), ""]
     base = baseline(recs, rep.labels, reference)
 
     def table(group) -> list[str]:
@@ -239,6 +238,10 @@ def markdown(rep: Report, command: str | None = None, reference: str | None = No
         if refs[label] is None:
             lines.append(f"- {label}: not checked (no AR ran on its backend and weights)")
             continue
+        if not any(r["label"] == label and r["greedy"] and not r.get("lossy") for r in recs):
+            lines.append(f"- {label}: not checked (sampled or lossy: token equality applies to greedy lossless "
+                         "decoding; sampling is checked in distribution by the test suite)")
+            continue
         mm = rep.mismatches.get(label, [])
         n = sum(1 for r in recs if r["label"] == label)
         verdict = "identical" if not mm else f"{len(mm)} of {n} differ (first divergence at tokens " \
@@ -248,9 +251,22 @@ def markdown(rep: Report, command: str | None = None, reference: str | None = No
         lines.append("- Divergences in bf16/fp16/int4 are expected at near-ties of the target logits (a tree forward "
                      "and a one-token forward round differently), and on llama.cpp (`gguf`) at its quantised "
                      "kernels' batch-shape noise (docs/backends.md); exactness is established in fp32.")
-    for p in rep.problems + rep.missing:
+    for p in rep.problems:
         lines.append(f"- FAIL: {p}")
+    if rep.missing:
+        lines += ["", "## Incomplete (a cut run: resume it to fill these; not a correctness failure)", ""]
+        lines += [f"- {p}" for p in rep.missing]
     return "\n".join(lines) + "\n"
+
+
+def _batched_lines(recs: list[dict]) -> list[str]:
+    """How to read a batched run's times: each turn's are its own latency inside its group."""
+    sizes = sorted({r["batch"]["size"] for r in recs if isinstance(r.get("batch"), dict)})
+    if not sizes:
+        return []
+    return [f"- Batched groups of {'/'.join(map(str, sizes))} conversations: each turn's time is its latency in "
+            "its group; its draft time is its own drafting, and other includes waiting for the group's other "
+            "requests (their drafting, observing and prefills)."]
 
 
 def plots(rep: Report, out_dir: str | Path, reference: str | None = None) -> list[Path]:

@@ -352,6 +352,22 @@ def commit_lines(records: list[dict]) -> list[str]:
     return [f"- commit(s): {'; '.join(items)}"]
 
 
+def machine_lines(records: list[dict]) -> list[str]:
+    """One line per distinct machine and library versions, with its record count when a file mixes them (a
+    study resumed across sessions: each ratio is still paired within one run on one machine)."""
+    by: dict = {}
+    for r in records:
+        m = r.get("machine") or {}
+        name = (f"{m.get('cpu', 'unknown')}, {m.get('cores', '?')} cores, {m.get('threads', '?')} threads, "
+                f"AMX {m.get('amx', 'not recorded')}, vector ISA {m.get('isa', 'not recorded')}; "
+                f"versions: {r.get('versions')}")
+        by[name] = by.get(name, 0) + 1
+    if len(by) == 1:
+        return [f"- machine: {next(iter(by))}"]
+    return ["- machines (records were written on several; every ratio is paired within one group on one machine):",
+            *(f"  - {name} ({n} records)" for name, n in by.items())]
+
+
 def _fmt_value(v) -> str:
     return json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else str(v)
 
