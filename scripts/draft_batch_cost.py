@@ -11,6 +11,11 @@ writes every step's timings as JSON.
         --batch-sizes 1,8 --budget 7 --repeats 3 --out runs/draft-batch-qwen15.json
     python scripts/draft_batch_cost.py --backend llamacpp --dtype gguf --methods draft \
         --opts '{"shape": "tree", "top_k": 3, "depth": 4}' --batch-sizes 1,4,8 --budget 8 --out runs/draft-tree.json
+    python scripts/draft_batch_cost.py --backend llamacpp --dtype gguf --opts '{"shape": "tree", "depth": 4}' \
+        --methods "draft:top_k=3;draft:top_k=4" --batch-sizes 1,8 --budget 8 --out runs/draft-tree-k.json
+
+``--methods`` entries are ';'-separated, each ``METHOD[:key=value,...]`` (options over ``--opts``); an entry
+without options may list several methods with ',' (``eagle,graft``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from pathlib import Path
 from specgraft.engine import Engine
 from specgraft.env import environment
 from specgraft.eval.datasets import load_gsm8k
-from specgraft.eval.harness import WARMUP_PROMPT
+from specgraft.eval.harness import WARMUP_PROMPT, parse_method
 
 
 def one_cell(engine: Engine, method: str, prompts: list[str], batch: int, batched: bool, budget: int,
@@ -46,6 +51,16 @@ def one_cell(engine: Engine, method: str, prompts: list[str], batch: int, batche
     return steps
 
 
+def method_specs(methods: str, base: dict) -> dict[str, tuple[str, dict]]:
+    """``"draft:top_k=3;draft:top_k=4"`` or ``"eagle,graft"`` -> {entry: (method, its options over ``base``)}."""
+    entries = [e for part in methods.split(";") for e in (part.split(",") if ":" not in part else [part])]
+    specs = {}
+    for entry in filter(None, (e.strip() for e in entries)):
+        opts = parse_method(entry)
+        specs[entry] = (opts.pop("name"), {**base, **opts})
+    return specs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
@@ -57,17 +72,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--opts", default="{}", help="the methods' options as JSON, e.g. a draft tree's shape")
+    ap.add_argument("--alone", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run each B > 1 cell with every request drafted alone (--no-alone: batched only)")
     ap.add_argument("--out", default="runs/draft-batch.json")
     args = ap.parse_args()
     engine = Engine(args.model, args.dtype, backend=args.backend)
-    opts = json.loads(args.opts)
+    specs = method_specs(args.methods, json.loads(args.opts))
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     questions = [item.turns[0] for item in load_gsm8k()[::40]]
-    cells = [(m, b, mode) for m in args.methods.split(",") for b in sizes
-             for mode in (("batched", "alone") if b > 1 else ("batched",))]
-    for m in args.methods.split(","):  # warm-up outside the set
+    cells = [(m, b, mode) for m in specs for b in sizes
+             for mode in (("batched", "alone") if b > 1 and args.alone else ("batched",))]
+    for method, opts in specs.values():  # warm-up outside the set
         for p in (WARMUP_PROMPT,) * 2:
-            engine.add_request(p, m, max_new_tokens=16, budget=args.budget, **opts)
+            engine.add_request(p, method, max_new_tokens=16, budget=args.budget, **opts)
         engine.run()
     steps: dict[str, list[dict]] = {f"{m} B={b} {mode}": [] for m, b, mode in cells}
     for rep in range(args.repeats):
@@ -75,7 +92,8 @@ def main() -> None:
         for m, b, mode in order:
             start = (rep * max(sizes)) % len(questions)
             prompts = (questions[start:] + questions[:start])[:b]
-            got = one_cell(engine, m, prompts, b, mode == "batched", args.budget, args.max_new_tokens, opts)
+            method, opts = specs[m]
+            got = one_cell(engine, method, prompts, b, mode == "batched", args.budget, args.max_new_tokens, opts)
             steps[f"{m} B={b} {mode}"].extend(got)
             print(f"repeat {rep} {m} B={b} {mode}: {len(got)} steps, median draft "
                   f"{1000 * statistics.median(s['draft_s'] for s in got):.1f} ms", flush=True)
