@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build llama-server from the llama.cpp that llama-cpp-python 0.3.36 vendors (its sdist), with the CMake flags
-# of the README's install (AVX-512, no AMX), offline UI and no OpenSSL. Used by the `llama_server` outside
+# of the README's install (scripts/llama_cmake_args.sh: this CPU's vector ISA, never AMX), offline UI and no OpenSSL. Used by the `llama_server` outside
 # reference (docs/backends.md). Usage: scripts/build_llama_server.sh [DEST]   (default: ~/.cache/specgraft/llama-server)
 set -euo pipefail
 VERSION=0.3.36
@@ -10,7 +10,7 @@ trap 'rm -rf "$WORK"' EXIT
 pip download "llama-cpp-python==$VERSION" --no-binary :all: --no-deps -d "$WORK" >/dev/null
 tar xzf "$WORK/llama_cpp_python-$VERSION.tar.gz" -C "$WORK"
 SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
-FLAGS=${LLAMA_SERVER_CMAKE_FLAGS:-"-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"}
+FLAGS=${LLAMA_SERVER_CMAKE_FLAGS:-"$("$(dirname "$0")/llama_cmake_args.sh")"}
 # shellcheck disable=SC2086
 cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON $FLAGS >/dev/null

@@ -2,6 +2,7 @@
 
 import ctypes
 import platform
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,24 @@ def test_cost_curves_with_usable_amx_are_kept_apart(monkeypatch):
     assert "amx" not in plain  # machines without AMX keep the keys their caches already use
     monkeypatch.setattr(costs, "amx_state", lambda: "usable")
     assert costs.machine_key("smollm2-135m", "bfloat16", runtime="threads=2|torch=x") == plain + "_amx"
+
+
+def test_cost_curves_of_cpus_sharing_a_name_are_kept_apart(monkeypatch):
+    monkeypatch.setattr(costs, "amx_state", lambda: "absent")
+    monkeypatch.setattr(costs, "cpu_name", lambda: "AMD EPYC")
+    keys = set()
+    for family_model in ("25-1", "26-2"):  # an AVX2-only Milan and an AVX-512 Zen 5, both "AMD EPYC" under KVM
+        monkeypatch.setattr(costs, "cpu_id", lambda: family_model)
+        keys.add(costs.machine_key("smollm2-135m", "gguf", runtime="threads=2|llama_cpp=x"))
+    assert len(keys) == 2
+
+
+def test_cpu_id_reads_family_and_model():
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists() or "cpu family" not in cpuinfo.read_text():
+        pytest.skip("no x86 /proc/cpuinfo here")
+    family, model = env.cpu_id().split("-")
+    assert family.isdigit() and model.isdigit() and env.environment()["cpu_id"] == env.cpu_id()
 
 
 def test_usable_amx_means_this_process_holds_the_tile_permission():

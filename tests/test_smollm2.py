@@ -19,7 +19,7 @@ PROMPTS = [
     "Translate to French: 'The library opens at nine and closes at five on weekdays.'",
     "Write a SQL query that lists the ten customers with the highest total order value, and explain it.",
 ]
-METHODS = [("pld", {}), ("recycle", {}), ("recycle", {"budget": 16}), ("recycle", {"scope": "hot"}),
+METHODS = [("pld", {}), ("pld", {"length": "cost", "budget": 16}), ("recycle", {}), ("recycle", {"budget": 16}), ("recycle", {"scope": "hot"}),
            ("eagle", {}), ("eagle", {"budget": 15})]  # eagle: the head committed in src/specgraft/heads
 
 

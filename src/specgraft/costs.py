@@ -17,7 +17,7 @@ import torch
 
 from .core.backend import torch_runtime
 from .core.tree import Tree
-from .env import amx_state, cpu_name
+from .env import amx_state, cpu_id, cpu_name
 from .errors import SpecgraftError
 from .models import cache_root
 
@@ -31,9 +31,11 @@ def machine_key(model: str, weights: str, device: str = "cpu", runtime: str | No
     """Where a measured curve is valid: model, weights format (gguf: the llama.cpp backend), machine, runtime,
     device."""
     raw = f"{model}|{weights}|{cpu_name()}|{runtime or torch_runtime()}"
+    if cpu_id():  # "AMD EPYC" names an AVX2-only Milan and an AVX-512 Zen 5 alike: their curves differ
+        raw += f"|cpu={cpu_id()}"
     if amx_state() == "usable":  # the same CPU name with and without usable AMX has different curves
         raw += "|amx"
-    if device != "cpu":  # transformers CPU keys without AMX keep their old form (existing caches stay valid)
+    if device != "cpu":
         raw += f"|device={device}"
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in raw)[:200]
 

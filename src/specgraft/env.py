@@ -24,6 +24,23 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_id() -> str:
+    """``family-model`` of the first CPU (``25-1``), empty where /proc/cpuinfo does not say: one model name
+    ("AMD EPYC" under KVM) covers CPUs with and without AVX-512, whose cost curves differ."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("cpu family", "model") and key not in fields:
+                fields[key] = value.strip()
+            if not key:  # the end of the first CPU's block
+                break
+    except OSError:
+        pass
+    return f"{fields['cpu family']}-{fields['model']}" if len(fields) == 2 else ""
+
+
 # Linux x86-64 arch_prctl: which extended-state features the kernel supports, and the per-process permission a
 # process must request before its first AMX tile instruction (without it, that instruction faults).
 # (asm/prctl.h: 0x1021 asks what the kernel supports, 0x1022 what this process is already permitted, which is no
@@ -83,7 +100,7 @@ def git(*args: str) -> str | None:
 
 def environment() -> dict:
     status = git("status", "--porcelain", "--untracked-files=no")
-    return {"cpu": cpu_name(), "amx": amx_state(), "isa": vector_isa(), "cores": os.cpu_count(),
+    return {"cpu": cpu_name(), "cpu_id": cpu_id(), "amx": amx_state(), "isa": vector_isa(), "cores": os.cpu_count(),
             "threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "specgraft": md.version("specgraft"),

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .core.backend import Backend, TargetBackend
+from .costs import backend_curve, backend_key, interpolate
 from .core.drafter import Drafter, NoDraft
 from .core.sampling import TRUNCATION_KEYS, SamplingParams
 from .drafters.draft_model import DraftModelDrafter
@@ -20,6 +21,7 @@ from .errors import SpecgraftError
 from .graft.calibration import Calibration
 from .graft.context import ContextModel
 from .graft.drafter import GraftDrafter
+from .graft.lookup import CostSizedLookup
 from .graft.pruning import make_policy
 from .lossy.rules import Rule
 from .models import cache_root, load
@@ -27,7 +29,10 @@ from .models import cache_root, load
 # Per-method defaults, printed by `specgraft generate --help` and written into every record.
 DEFAULTS: dict[str, dict] = {
     "ar": {"budget": 0},
-    "pld": {"budget": 10, "max_ngram": 3},
+    # length: "budget" drafts the budget's worth on every match; "cost" drafts, per step, the length that maximises
+    # expected tokens per second on this machine's measured cost curve (0 when nothing pays), up to the budget,
+    # from up to ``chains`` distinct continuations (graft/lookup.py).
+    "pld": {"budget": 10, "max_ngram": 3, "length": "budget", "chains": 4},
     "recycle": {"budget": 80, "k": 8, "scope": "cold"},
     "draft": {"budget": 4, "model": "qwen2.5-coder-0.5b", "shape": "chain", "top_k": 8, "depth": 5},
     # EAGLE-3: 60 verified tokens incl. the root, depth 7 (depth 5 is EAGLE-2's and under-drafts, EAGLE#209).
@@ -103,7 +108,7 @@ def make_drafter(method: str, vocab_size: int, dtype: str = "float32", target=No
         if method in REFERENCES:
             raise SpecgraftError(f"{method} runs its library's own loop; use Engine.generate, not a drafter")
         if method == "pld":
-            return PromptLookup(max_ngram=opts["max_ngram"])
+            return _pld(opts, options, bound)
         if method == "draft":
             return _draft_model(opts["model"], bound, dtype, opts["shape"], opts["top_k"], opts["depth"], device)
         if method == "eagle":
@@ -113,6 +118,28 @@ def make_drafter(method: str, vocab_size: int, dtype: str = "float32", target=No
         return TokenRecycling(vocab_size, k=opts["k"], scope=opts["scope"])
     except (ValueError, TypeError) as err:
         raise SpecgraftError(str(err)) from err
+
+
+def _pld(opts: dict, given: dict, bound: Target):
+    if opts["length"] == "budget":
+        if "chains" in given:
+            raise SpecgraftError("pld's chains option belongs to length=cost (plain PLD drafts one chain)")
+        return PromptLookup(max_ngram=opts["max_ngram"])
+    if opts["length"] != "cost":
+        raise SpecgraftError(f"pld length must be budget or cost, got {opts['length']!r}")
+    if bound.backend is None:
+        raise SpecgraftError("pld length=cost sizes its drafts from the target's measured cost curve: "
+                             "it runs through an engine (a backend), not on a bare model")
+    curve = backend_curve(bound.name, bound.backend)  # cached per machine; measured once on an idle backend
+    fit, where = None, "prior"
+    for drafter in ("eagle", "draft-tree", "draft-chain"):  # the context table depends on the target only
+        cal, path = find_calibration({"drafter": drafter, "calibration": "auto"}, bound.name)
+        if cal is not None and cal.context:
+            fit, where = cal.context, path
+            break
+    return CostSizedLookup(lambda width: interpolate(curve, width), ContextModel.from_fit(fit, where),
+                           max_ngram=opts["max_ngram"], chains=opts["chains"],
+                           curve_source=backend_key(bound.name, bound.backend.capabilities))
 
 
 def _draft_backend(model, dtype: str, device: str, bound: Target) -> tuple[Backend, str]:

@@ -180,7 +180,7 @@ def test_transformers_reference_refused(engine):
 
 from ..test_smollm2 import PROMPTS  # the transformers exactness test's prompts
 # Trees under 64 nodes (the exact kernel path); the draft model is SmolLM2's GGUF itself on its own context.
-EXACT = [("pld", {}), ("recycle", {"budget": 16}), ("recycle", {"budget": 48, "scope": "hot"}),
+EXACT = [("pld", {}), ("pld", {"length": "cost", "budget": 16}), ("recycle", {"budget": 16}), ("recycle", {"budget": 48, "scope": "hot"}),
          ("draft", {"model": "smollm2-135m", "budget": 4}),
          ("draft", {"model": "smollm2-135m", "shape": "tree", "budget": 24, "top_k": 4, "depth": 4}),
          ("graft", {"drafter": "draft-tree", "model": "smollm2-135m", "calibration": "none", "budget": 24,

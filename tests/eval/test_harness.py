@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from specgraft.env import amx_state
+from specgraft.env import amx_state, cpu_id
 from specgraft.errors import SpecgraftError
 from specgraft.eval.harness import BenchConfig, expand_methods, parse_method, read_records, run_harness
 from specgraft.eval.report import load, markdown, plots
@@ -54,6 +54,7 @@ def test_records_resume_and_report(tmp_path, tiny_engine):
     assert not problems and len(recs) == 16  # 4 methods x (2 + 1 + 1 turns)
     assert RECORD_FIELDS <= set(recs[0])
     assert recs[0]["machine"]["amx"] == amx_state() and recs[0]["machine"]["isa"]  # which matrix engine ran
+    assert recs[0]["machine"]["cpu_id"] == cpu_id()  # which CPU of that name (family-model)
     assert {r["turn"] for r in recs if r["prompt_id"] == "one"} == {0, 1}
     assert all(r["lossy"] is False and r["commit"] for r in recs)
     assert {r["retrieval_state"] for r in recs if r["method"] == "recycle"} == {"cold"}

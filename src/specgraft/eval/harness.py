@@ -315,7 +315,7 @@ def make_record(cfg: BenchConfig, env: dict, dataset: str, item: Item, spec: Met
         "max_new_tokens": cfg.max_new_tokens,
         "sampling": g.config["sampling"], "greedy": cfg.temperature == 0.0,
         "verify": g.config.get("verify", "lossless"), "lossy": bool(g.config.get("lossy", False)),
-        "machine": {k: env[k] for k in ("cpu", "amx", "isa", "cores", "threads")},
+        "machine": {k: env[k] for k in ("cpu", "cpu_id", "amx", "isa", "cores", "threads")},
         "versions": {k: env[k] for k in ("python", "torch", "transformers", "specgraft")},
         "commit": env["commit"], "dirty": env["dirty"],
         "prompt_tokens": len(g.prompt_ids), "output_ids": g.token_ids, "text": g.text,

@@ -358,7 +358,8 @@ def machine_lines(records: list[dict]) -> list[str]:
     by: dict = {}
     for r in records:
         m = r.get("machine") or {}
-        name = (f"{m.get('cpu', 'unknown')}, {m.get('cores', '?')} cores, {m.get('threads', '?')} threads, "
+        cpu = m.get('cpu', 'unknown') + (f" (family-model {m['cpu_id']})" if m.get("cpu_id") else "")
+        name = (f"{cpu}, {m.get('cores', '?')} cores, {m.get('threads', '?')} threads, "
                 f"AMX {m.get('amx', 'not recorded')}, vector ISA {m.get('isa', 'not recorded')}; "
                 f"versions: {r.get('versions')}")
         by[name] = by.get(name, 0) + 1
