@@ -8,7 +8,7 @@ from specgraft.core.drafter import DraftContext
 from specgraft.core.verify import Verdict
 from specgraft.errors import SpecgraftError
 from specgraft.graft.context import PRIOR_CONTINUE, PRIOR_FIRST, ContextModel, Match
-from specgraft.graft.lookup import CostSizedLookup, best_length, chain_values
+from specgraft.graft.lookup import AcceptanceRecord, CostSizedLookup, best_length
 from specgraft.registry import make_drafter
 
 
@@ -33,15 +33,26 @@ def test_best_length_golden():
     assert best_length([], flat, 5) == 0 and best_length(gains, flat, 0) == 0
 
 
-def test_chain_values_continue_geometrically_past_the_table():
-    model = ContextModel.prior()
-    long = Match(start=0, length=20, tokens=tuple(range(24)))  # bucket 16+
-    vals = chain_values(model, long)
+def test_record_starts_from_the_table_and_continues_geometrically_past_it():
+    rec = AcceptanceRecord(ContextModel.prior())  # prior rows: p * 0.85^j
+    assert rec.rates(5) == pytest.approx((PRIOR_FIRST[-1], PRIOR_CONTINUE))
+    vals = rec.values(Match(start=0, length=20, tokens=tuple(range(24))))  # bucket 16+
     assert len(vals) == 24
-    assert vals[0] == pytest.approx(PRIOR_FIRST[-1]) and vals[15] == pytest.approx(PRIOR_FIRST[-1] * PRIOR_CONTINUE ** 15)
-    assert vals[20] == pytest.approx(PRIOR_FIRST[-1] * PRIOR_CONTINUE ** 20)  # not flat past DEPTH = 16
-    assert all(a >= b for a, b in zip(vals, vals[1:]))
-    assert chain_values(model, long, factor=0.5)[0] == pytest.approx(PRIOR_FIRST[-1] * 0.5)
+    assert vals[15] == pytest.approx(PRIOR_FIRST[-1] * PRIOR_CONTINUE ** 15)
+    assert vals[20] == pytest.approx(PRIOR_FIRST[-1] * PRIOR_CONTINUE ** 20)  # not flat past the table's 16
+    table = ((0.8, 0.4) + (0.4,) * 14,)
+    assert AcceptanceRecord(ContextModel(table)).rates(0) == pytest.approx((0.8, 0.5 ** (1 / 15)))
+
+
+def test_record_learns_first_tokens_and_runs_and_censors_whole_runs():
+    rec = AcceptanceRecord(ContextModel.prior(), strength=4)
+    rec.update(5, accepted=0, continued=True)  # first token rejected
+    assert rec.rates(5) == pytest.approx(((0.9 * 4) / 5, 0.85))
+    rec.update(5, accepted=3, continued=True)  # 3 accepted, the 4th rejected: 2 continuations and 1 miss
+    assert rec.rates(5) == pytest.approx(((0.9 * 4 + 1) / 6, (0.85 * 4 + 2) / 7))
+    rec.update(5, accepted=4, continued=False)  # the whole chain accepted: 3 continuations, no miss
+    assert rec.rates(5) == pytest.approx(((0.9 * 4 + 2) / 7, (0.85 * 4 + 5) / 10))
+    assert rec.rates(4) == pytest.approx((PRIOR_FIRST[4], PRIOR_CONTINUE))  # other buckets untouched
 
 
 # a 30-token segment seen before: the suffix matches it 30 tokens back (bucket 16+, prior 0.9 * 0.85^j)
@@ -63,24 +74,26 @@ def test_steep_curve_drafts_long_copies_and_nothing_on_weak_matches():
     assert CostSizedLookup(flat).propose(DraftContext(COPY, budget=0)).size == 1
 
 
-def test_rejections_lower_the_request_estimates_and_fork_forgets_them():
+def test_rejections_stop_drafting_copies_extend_it_and_fork_forgets():
     def cost(width):
-        return 1.0 + 0.7 * (width - 1)
+        return 1.0 + 0.8 * (width - 1)
 
-    d = CostSizedLookup(flat)
+    # a fresh request drafts one token on this curve (1.9 / 1.8 > 1; two: 2.665 / 2.6 is less)
+    assert CostSizedLookup(cost).propose(DraftContext(COPY, budget=4)).size == 2
+    d = CostSizedLookup(cost)
     tree = d.propose(DraftContext(COPY, budget=4))
-    assert tree.size == 5
-    d.observe(tree, None, Verdict([0], bonus=7))  # nothing accepted
-    expected = sum(chain_values(d.model, Match(0, 30, (0, 1, 2, 3))))  # 0.9 + 0.765 + 0.650 + 0.553
-    assert d._record == {"accepted": 0.0, "expected": pytest.approx(expected)}
-    # a fresh request drafts on this curve (1.9 / 1.7 > 1); this one now scales its estimates by
-    # 4 / (2.868 + 4) = 0.582, and 1 + 0.524 < 1.7: an AR step
-    d.cost = cost
-    assert CostSizedLookup(cost).propose(DraftContext(COPY, budget=4)).size > 1
-    assert d.propose(DraftContext(COPY, budget=4)).size == 1
-    assert d.fork()._record == {"accepted": 0.0, "expected": 0.0}
-    d.observe(tree, None, Verdict([0, 1, 2], bonus=7))
-    assert d._record["accepted"] == 2 and d.counters["accepted"] == 2
+    d.observe(tree, None, Verdict([0], bonus=7))  # rejected: first-token rate 0.9 -> 3.6 / 5 = 0.72
+    assert d.propose(DraftContext(COPY, budget=4)).size == 1  # 1.72 / 1.8 < 1: an AR step
+    assert d.fork().record.first[5] == [0, 0]  # a new request starts from the table
+    # accepted copies: the request's continuation rate rises and its drafts grow
+    e = CostSizedLookup(steep)
+    sizes = []
+    for _ in range(6):
+        tree = e.propose(DraftContext(COPY, budget=16))
+        sizes.append(tree.size - 1)
+        e.observe(tree, None, Verdict(list(range(tree.size)), bonus=7))  # everything accepted
+    assert sizes[0] == 2 and sizes[-1] > sizes[0] and sizes == sorted(sizes), sizes
+    assert e.counters["accepted"] == sum(sizes)
 
 
 def test_several_continuations_form_a_trie():

@@ -9,9 +9,11 @@ each step drafts the length that maximises the expected committed tokens per sec
 
 - candidates: the distinct continuations of the suffix's earlier occurrences (Graft's context source,
   :func:`.context.find_matches`), merged into a trie;
-- node estimates: ``P(the chain's first j tokens are accepted | match length)`` from the calibrated context
-  table (:class:`.context.ContextModel`), scaled by how this request's chains fared so far
-  (:func:`.context.request_factor`), and continued geometrically past the table's depth;
+- node estimates: a chain's ``j``-th token is accepted with ``p * c^(j-1)``, where ``p`` (first token) and ``c``
+  (each further token) are per match-length bucket and per request: Beta posteriors whose prior means come from
+  the calibrated context table (:class:`.context.ContextModel`) and whose evidence is this request's own
+  verifications (:class:`AcceptanceRecord`). A request that keeps copying verbatim soon has ``c`` near 1 and
+  drafts long; one whose matches fail stops drafting;
 - ``cost``: the target backend's measured verify latency by width (``costs.backend_curve``), handed in.
 
 ``L* = 0`` (no match, or none worth its width) is an AR step. A long match on a steep curve still drafts long
@@ -28,21 +30,44 @@ import torch
 
 from ..core.drafter import DraftContext
 from ..core.tree import SOURCE_CONTEXT, SOURCE_ROOT, Tree
-from .context import ContextModel, Match, bucket, context_trie, find_matches, request_factor, take_trie
+from .context import PRIOR_STRENGTH, ContextModel, Match, bucket, context_trie, find_matches, take_trie
 
 MAX_DEPTH = 64  # longest chain considered (past the table's DEPTH the estimates continue geometrically)
 
 
-def chain_values(model: ContextModel, match: Match, factor: float = 1.0) -> list[float]:
-    """Estimates for every token of ``match``: the table's row, then its last step's ratio repeated (the
-    table stops at DEPTH; a flat continuation would overrate long chains)."""
-    row = model.table[bucket(match.length)]
-    ratio = min(1.0, row[-1] / row[-2]) if len(row) > 1 and row[-2] > 0 else 0.0
-    out = []
-    for j in range(len(match.tokens)):
-        base = row[j] if j < len(row) else row[-1] * ratio ** (j - len(row) + 1)
-        out.append(min(0.999, base * factor))
-    return out
+class AcceptanceRecord:
+    """Per match-length bucket: the first token's and each further token's acceptance, as Beta posteriors (prior
+    mean from the table, ``strength`` pseudo-observations) updated by this request's verifications."""
+
+    def __init__(self, model: ContextModel, strength: float = PRIOR_STRENGTH):
+        self.strength = strength
+        self.first0, self.cont0 = [], []
+        for row in model.table:
+            k = len(row) - 1
+            self.first0.append(row[0])
+            self.cont0.append((row[k] / row[0]) ** (1 / k) if row[0] > 0 and row[k] > 0 else 0.5)
+        n = len(model.table)
+        self.first = [[0, 0] for _ in range(n)]  # [accepted, offered]
+        self.cont = [[0, 0] for _ in range(n)]
+
+    def rates(self, b: int) -> tuple[float, float]:
+        s = self.strength
+        first = (self.first0[b] * s + self.first[b][0]) / (s + self.first[b][1])
+        cont = (self.cont0[b] * s + self.cont[b][0]) / (s + self.cont[b][1])
+        return first, cont
+
+    def values(self, match: Match) -> list[float]:
+        first, cont = self.rates(bucket(match.length))
+        return [first * cont ** j for j in range(len(match.tokens))]
+
+    def update(self, b: int, accepted: int, continued: bool) -> None:
+        """A chain of bucket ``b`` was offered: ``accepted`` of its tokens were, and ``continued`` says whether
+        a further token of it was offered and rejected (else the accepted run is censored, not a failure)."""
+        self.first[b][1] += 1
+        self.first[b][0] += accepted > 0
+        if accepted > 0:
+            self.cont[b][0] += accepted - 1
+            self.cont[b][1] += accepted - 1 + continued
 
 
 def best_length(gains: list[float], cost: Callable[[int], float], budget: int) -> int:
@@ -55,6 +80,16 @@ def best_length(gains: list[float], cost: Callable[[int], float], budget: int) -
         if rate > best_rate:
             best, best_rate = n, rate
     return best
+
+
+def kept_prefix(chain: tuple[int, ...], tokens: list[int], parents: list[int], keep: set[int]) -> tuple[int, ...]:
+    """The part of ``chain`` the tree holds: its path in the trie (1-based nodes) while the nodes are kept."""
+    node_of = {(par, tok): i + 1 for i, (tok, par) in enumerate(zip(tokens, parents))}
+    node, depth = 0, 0
+    while depth < len(chain) and node_of.get((node, chain[depth])) in keep:
+        node = node_of[(node, chain[depth])]
+        depth += 1
+    return chain[:depth]
 
 
 class CostSizedLookup:
@@ -73,39 +108,44 @@ class CostSizedLookup:
                 raise ValueError(f"pld needs an integer {key} >= 1, got {val!r}")
         self.cost, self.model = cost, model or ContextModel.prior()
         self.max_ngram, self.chains, self.curve_source = max_ngram, chains, curve_source
-        self._record = {"accepted": 0.0, "expected": 0.0}  # this request's context tokens: accepted, estimated
+        self.record = AcceptanceRecord(self.model)
+        self._offered: list[tuple[int, tuple[int, ...]]] = []  # this step's chains: (bucket, tokens kept)
         self.counters = {"steps": 0, "drafting_steps": 0, "offered": 0, "accepted": 0}
 
     def fork(self) -> "CostSizedLookup":
         return CostSizedLookup(self.cost, self.model, self.max_ngram, self.chains, self.curve_source)
 
     def start(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
-        self._record = {"accepted": 0.0, "expected": 0.0}
+        self.record = AcceptanceRecord(self.model)
 
     def propose(self, ctx: DraftContext) -> Tree:
         self.counters["steps"] += 1
+        self._offered = []
         depth = min(ctx.budget, MAX_DEPTH)
         matches = find_matches(ctx.ids, self.max_ngram, self.chains, depth) if depth > 0 else []
         if not matches:
             return Tree.chain(ctx.ids[-1], [])
-        factor = request_factor(self._record["accepted"], self._record["expected"])
-        tokens, parents, values = context_trie(matches, [chain_values(self.model, m, factor) for m in matches])
+        tokens, parents, values = context_trie(matches, [self.record.values(m) for m in matches])
         n = best_length(sorted(values, reverse=True), self.cost, ctx.budget)
         if n == 0:
             return Tree.chain(ctx.ids[-1], [])
         keep = take_trie(tokens, parents, values, n)  # 1-based trie nodes, parents first
         index = {node: i + 1 for i, node in enumerate(keep)}
-        self._record["expected"] += sum(values[k - 1] for k in keep)
+        kept = [tokens[k - 1] for k in keep]
+        self._offered = [(bucket(m.length), chain) for m in matches
+                         if (chain := kept_prefix(m.tokens, tokens, parents, set(keep)))]
         self.counters["drafting_steps"] += 1
         self.counters["offered"] += len(keep)
-        return Tree.build([ctx.ids[-1], *(tokens[k - 1] for k in keep)],
-                          [-1, *(index.get(parents[k - 1], 0) for k in keep)],
+        return Tree.build([ctx.ids[-1], *kept], [-1, *(index.get(parents[k - 1], 0) for k in keep)],
                           [SOURCE_ROOT, *[SOURCE_CONTEXT] * len(keep)])
 
     def observe(self, tree: Tree, logits: torch.Tensor, verdict, hidden=None) -> None:
-        n = len(verdict.accepted) - 1
-        self._record["accepted"] += n
-        self.counters["accepted"] += n
+        path = tree.tokens[verdict.accepted[1:]].tolist()
+        self.counters["accepted"] += len(path)
+        for b, chain in self._offered:  # the chain the path followed learns its run, the others a first miss
+            run = next((j for j in range(min(len(path), len(chain))) if path[j] != chain[j]), min(len(path), len(chain)))
+            self.record.update(b, run, continued=run < len(chain))
+        self._offered = []
 
     def describe(self) -> dict:
         c = self.counters
@@ -115,4 +155,4 @@ class CostSizedLookup:
                 "hit_rate": round(c["accepted"] / c["offered"], 4) if c["offered"] else None}
 
 
-__all__ = ["CostSizedLookup", "best_length", "chain_values"]
+__all__ = ["AcceptanceRecord", "CostSizedLookup", "best_length"]
