@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from .core.backend import Backend, TargetBackend
-from .costs import backend_curve, backend_key, interpolate
 from .core.drafter import Drafter, NoDraft
 from .core.sampling import TRUNCATION_KEYS, SamplingParams
+from .costs import backend_curve, backend_key, interpolate
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.pld import PromptLookup
 from .drafters.recycling import TokenRecycling

@@ -23,7 +23,8 @@ def assert_within_one_rounding(a: torch.Tensor, b: torch.Tensor) -> None:
     a, b = a.float(), b.float()
     assert float((a - b).abs().max()) <= BF16_STEP * float(b.abs().max())
 
-pytestmark = pytest.mark.skipif(not packed.available(), reason="this PyTorch has no oneDNN linear ops")
+pytestmark = pytest.mark.skipif(not packed.available(), reason="this PyTorch has no oneDNN linear ops, or this CPU "
+                                "no packed bf16 path (AVX2 only: tests/backends/test_packed_fallback.py)")
 
 
 @pytest.mark.parametrize("bias", [False, True])

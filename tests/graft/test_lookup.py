@@ -4,12 +4,18 @@ tests/backends/test_llamacpp.py)."""
 
 import pytest
 
+from specgraft.core.backend import TargetBackend
+
 from specgraft.core.drafter import DraftContext
 from specgraft.core.verify import Verdict
 from specgraft.errors import SpecgraftError
 from specgraft.graft.context import PRIOR_CONTINUE, PRIOR_FIRST, ContextModel, Match
 from specgraft.graft.lookup import AcceptanceRecord, CostSizedLookup, best_length
 from specgraft.registry import make_drafter
+
+from ..engine.test_engine import SAMPLING_PARAMS, SAMPLING_PROMPT, exact_ar_joint, sample_counts
+from ..conftest import tiny_llama
+from ..stattest import N_NEGATIVE, check_loop, with_negative_control
 
 
 def flat(width):  # a memory-bound forward: any width costs one token's time
@@ -125,3 +131,16 @@ def test_greedy_equal_to_ar_through_the_engine(tiny_engine):
         drafted += out.stats.steps < len(out.token_ids)
         assert out.to_record()["config"]["drafter"]["length"] == "cost"
     assert drafted >= 1
+
+
+@with_negative_control
+def test_sampling_through_the_loop_matches_ar(broken, monkeypatch):
+    """The first three sampled tokens through cost-sized lookup trees (a flat curve: it drafts on every match;
+    the prompt repeats, so the first step verifies drafted tokens) follow AR's exact joint (chi-square,
+    false-alarm rate 1e-4, 5,000 runs); a verifier that drops the residual and the sampling settings fails."""
+    target = tiny_llama(vocab=6, scale=3.0, seed=3)
+    exact = exact_ar_joint(target, SAMPLING_PROMPT, SAMPLING_PARAMS, 6)
+    backend, drafter = TargetBackend(target), CostSizedLookup(flat)
+    assert drafter.propose(DraftContext(SAMPLING_PROMPT, budget=8)).size > 1  # the rule is exercised
+    check_loop(monkeypatch, broken, lambda n: sample_counts(backend, drafter, SAMPLING_PROMPT, SAMPLING_PARAMS, 8, n),
+               exact, N_NEGATIVE if broken else 5000, "pld length=cost")

@@ -9,11 +9,13 @@ we do the same to the eager model, so tree masks, the KV cache and every width k
 
 The products are the same oneDNN kernel on the same bf16 values: outputs equal ``F.linear``'s (bit-for-bit in
 the tests at the widths a tree uses). On a CPU with AMX oneDNN runs the tiles (``brg_matmul:..._amx``); without
-them its AVX-512 BF16 path. ``SPECGRAFT_PREPACK=0`` keeps the plain layers (for measuring the difference).
+them its AVX-512 BF16 path; a CPU with neither AVX-512 nor AVX-NE-CONVERT has no packed bf16 path and keeps the
+plain layers (:func:`bf16_path`). ``SPECGRAFT_PREPACK=0`` keeps the plain layers (for measuring the difference).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -24,12 +26,25 @@ BATCH_HINT = 1
 
 
 def available() -> bool:
-    """Whether this PyTorch has the oneDNN ops (CPU builds with mkldnn) and packing is not switched off."""
+    """Whether this PyTorch has the oneDNN ops (CPU builds with mkldnn), this CPU runs their bf16 path, and
+    packing is not switched off."""
     if os.environ.get("SPECGRAFT_PREPACK", "1") == "0":
         return False
     mkldnn = torch.ops.mkldnn
     return torch.backends.mkldnn.is_available() and all(
-        hasattr(mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise"))
+        hasattr(mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise")) and bf16_path()
+
+
+@functools.cache
+def bf16_path() -> bool:
+    """oneDNN's packed bf16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; on an AVX2-only CPU (an AMD EPYC
+    Milan) the reorder raises, and the model keeps its plain layers. Asked of PyTorch on a tiny weight, which is
+    what it decides by, rather than read from the CPU flags."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(torch.nn.Module):

@@ -1,7 +1,7 @@
 """Prompt lookup sized by this machine's cost curve (``pld`` with ``length=cost``).
 
 Plain PLD drafts ``budget`` tokens whenever any suffix n-gram matches, right or wrong. On a backend whose
-verify cost grows with every token (llama.cpp on x86: a 2-token decode costs ~1.9x a 1-token one), that
+verify cost grows with every token (llama.cpp on x86: a 2-token decode costs 1.7-1.9x a 1-token one), that
 wider decode is paid on every weak match, so only budget 1 breaks even (docs/backends.md, issue 26). Here
 each step drafts the length that maximises the expected committed tokens per second:
 
@@ -143,7 +143,8 @@ class CostSizedLookup:
         path = tree.tokens[verdict.accepted[1:]].tolist()
         self.counters["accepted"] += len(path)
         for b, chain in self._offered:  # the chain the path followed learns its run, the others a first miss
-            run = next((j for j in range(min(len(path), len(chain))) if path[j] != chain[j]), min(len(path), len(chain)))
+            common = min(len(path), len(chain))
+            run = next((j for j in range(common) if path[j] != chain[j]), common)
             self.record.update(b, run, continued=run < len(chain))
         self._offered = []
 
