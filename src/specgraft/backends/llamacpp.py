@@ -52,6 +52,7 @@ from ..core.backend import Capabilities, RowLengths, VerifyOutput
 from ..core.tree import Tree
 from ..errors import SpecgraftError
 from .llamacpp_features import EvalTap, LayerInputs, architecture, llama_lib, make_tap
+from .packed import bf16_path
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ
 GRAVE = MAX_SEQ - 1  # the graveyard sequence: cells of rows that left while others ran (never borrowed)
@@ -120,7 +121,12 @@ class LlamaModel:
         self._embeddings: torch.nn.Embedding | None = None
 
     # -- what an EAGLE-3 head reads of its target (``eagle.checkpoint.load_head``) ----------------------------
-    head_dtype = torch.bfloat16  # heads are trained in bf16 and run on the CPU beside llama.cpp
+    @property
+    def head_dtype(self) -> torch.dtype:
+        """Heads are trained in bf16 and run on the CPU beside llama.cpp: in bf16 where oneDNN has a bf16 path,
+        in fp32 on an AVX2-only CPU, where a bf16 product costs about twice an fp32 one (drafts only: outputs
+        are the target's either way)."""
+        return torch.bfloat16 if bf16_path() else torch.float32
 
     @property
     def config(self):
