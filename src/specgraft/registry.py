@@ -137,7 +137,10 @@ def _pld(opts: dict, given: dict, bound: Target):
         if cal is not None and cal.context:
             fit, where = cal.context, path
             break
-    return CostSizedLookup(lambda width: interpolate(curve, width), ContextModel.from_fit(fit, where),
+    def cost(width: int) -> float:  # every width 1..64 is measured: a lookup per call on the step's path
+        return curve[width] if width in curve else interpolate(curve, width)
+
+    return CostSizedLookup(cost, ContextModel.from_fit(fit, where),
                            max_ngram=opts["max_ngram"], chains=opts["chains"],
                            curve_source=backend_key(bound.name, bound.backend.capabilities))
 
