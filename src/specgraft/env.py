@@ -14,31 +14,30 @@ import torch
 import transformers
 
 
-def cpu_name() -> str:
+def cpu_fields() -> dict[str, str]:
+    """The first CPU's block of /proc/cpuinfo (``model name``, ``cpu family``, ``model``, ``flags``, ...);
+    empty where there is none."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if not key.strip():  # the end of the first CPU's block
+                break
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return fields
+
+
+def cpu_name() -> str:
+    return cpu_fields().get("model name") or platform.processor() or platform.machine()
 
 
 def cpu_id() -> str:
     """``family-model`` of the first CPU (``25-1``), empty where /proc/cpuinfo does not say: one model name
     ("AMD EPYC" under KVM) covers CPUs with and without AVX-512, whose cost curves differ."""
-    fields = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("cpu family", "model") and key not in fields:
-                fields[key] = value.strip()
-            if not key:  # the end of the first CPU's block
-                break
-    except OSError:
-        pass
-    return f"{fields['cpu family']}-{fields['model']}" if len(fields) == 2 else ""
+    fields = cpu_fields()
+    return f"{fields['cpu family']}-{fields['model']}" if "cpu family" in fields and "model" in fields else ""
 
 
 # Linux x86-64 arch_prctl: which extended-state features the kernel supports, and the per-process permission a
@@ -72,13 +71,7 @@ def amx_state() -> str:
 
 def cpu_flags() -> set[str]:
     """The first CPU's feature flags from /proc/cpuinfo (empty elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set(cpu_fields().get("flags", "").split())
 
 
 def vector_isa() -> str:

@@ -82,9 +82,9 @@ def best_length(gains: list[float], cost: Callable[[int], float], budget: int) -
     return best
 
 
-def kept_prefix(chain: tuple[int, ...], tokens: list[int], parents: list[int], keep: set[int]) -> tuple[int, ...]:
-    """The part of ``chain`` the tree holds: its path in the trie (1-based nodes) while the nodes are kept."""
-    node_of = {(par, tok): i + 1 for i, (tok, par) in enumerate(zip(tokens, parents))}
+def kept_prefix(chain: tuple[int, ...], node_of: dict[tuple[int, int], int], keep: set[int]) -> tuple[int, ...]:
+    """The part of ``chain`` the tree holds: its path in the trie (``node_of``: (parent, token) -> 1-based node)
+    while the nodes are kept."""
     node, depth = 0, 0
     while depth < len(chain) and node_of.get((node, chain[depth])) in keep:
         node = node_of[(node, chain[depth])]
@@ -132,8 +132,9 @@ class CostSizedLookup:
         keep = take_trie(tokens, parents, values, n)  # 1-based trie nodes, parents first
         index = {node: i + 1 for i, node in enumerate(keep)}
         kept = [tokens[k - 1] for k in keep]
+        node_of, kept_set = {(par, tok): i + 1 for i, (tok, par) in enumerate(zip(tokens, parents))}, set(keep)
         self._offered = [(bucket(m.length), chain) for m in matches
-                         if (chain := kept_prefix(m.tokens, tokens, parents, set(keep)))]
+                         if (chain := kept_prefix(m.tokens, node_of, kept_set))]
         self.counters["drafting_steps"] += 1
         self.counters["offered"] += len(keep)
         return Tree.build([ctx.ids[-1], *kept], [-1, *(index.get(parents[k - 1], 0) for k in keep)],
