@@ -5,13 +5,20 @@ server's budget under load (``serve/policy.py``). It is measured through the Bac
 tokens after a 256-token prefix, median of 3) and cached under a key naming what it depends on: the model,
 the backend's weights format, this CPU, the backend's runtime (threads, library version) and its device
 (``Backend.capabilities``). Nothing here is hard-coded per machine.
+
+A curve measured while other processes (or the hypervisor, as steal time) take a share of the CPUs prices every
+width too high, and a cached curve is believed until it is deleted: such a measurement is used for the run that
+made it and not cached (``CONTENTION_MAX``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,6 +32,9 @@ from .models import cache_root
 # x86 GEMM runs on blocks of 4 rows, PyTorch's int4 kernel at 4 and 8), so a budget must land on a measured width,
 # not an interpolated one. Beyond 64 the curve is extrapolated.
 WIDTHS = tuple(range(1, 65))
+# the most of the machine's CPU time (all cores) others may use while a curve is measured for it to be cached:
+# on 2 cores one busy neighbour thread is 50%; a few per cent is ordinary background
+CONTENTION_MAX = 0.10
 
 
 def machine_key(model: str, weights: str, device: str = "cpu", runtime: str | None = None) -> str:
@@ -92,14 +102,46 @@ def measure_curve(backend, vocab_size: int, widths=WIDTHS, prefix: int = 256, re
     return out
 
 
+def cpu_snapshot(stat: Path = Path("/proc/stat")) -> tuple[float, float, float] | None:
+    """(wall s, CPU s the whole machine was busy, steal included, CPU s of this process, all its threads); None
+    where the kernel does not publish ``/proc/stat``."""
+    try:
+        fields = [int(v) for v in stat.read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 5:
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is already inside user)
+    busy = sum(fields) - fields[3] - fields[4]
+    own = os.times()
+    return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+
+def others_share(before, after, cpus: int | None = None) -> float | None:
+    """The share of all cores' time that other processes (and steal) took between two snapshots."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    others = (after[1] - before[1]) - (after[2] - before[2])
+    return max(0.0, others / ((after[0] - before[0]) * (cpus or os.cpu_count() or 1)))
+
+
 def backend_curve(model: str, backend, widths=WIDTHS, prefix: int = 256, reps: int = 3,
                   refresh: bool = False) -> dict[int, float]:
-    """A backend's curve for ``model``: read from this machine's cache, else measured once and cached."""
+    """A backend's curve for ``model``: read from this machine's cache, else measured once and cached (not cached
+    when others used more than ``CONTENTION_MAX`` of the CPUs meanwhile: it is then measured again next run)."""
     path = backend_curve_path(model, backend.capabilities)
     if path.exists() and not refresh:
         return {int(k): v for k, v in json.loads(path.read_text())["seconds"].items()}
+    before = cpu_snapshot()
     out = measure_curve(backend, backend.vocab_size, widths, prefix, reps)
-    write_json(path, {"key": backend_key(model, backend.capabilities), "prefix": prefix, "seconds": out})
+    share = others_share(before, cpu_snapshot())
+    if share is not None and share > CONTENTION_MAX:
+        print(f"warning: other processes used {share:.0%} of this machine's CPU time while the cost curve of "
+              f"{model} was measured; this run uses it, but it is not cached (measure on an idle machine)",
+              file=sys.stderr)
+        return out
+    write_json(path, {"key": backend_key(model, backend.capabilities), "prefix": prefix, "seconds": out,
+                      "others_cpu_share": None if share is None else round(share, 4)})
     return out
 
 
