@@ -53,6 +53,8 @@ def own_cache(tmp_path, smollm2_engine):
     (["calibrate", "--drafter", "nope"], "unknown drafter 'nope'"),
     (["calibrate", "--rho", "1.5"], "--rho must be in (0, 1)"),
     (["calibrate", "--rounds", "0"], "--rounds + --extra must be at least 1"),
+    (["calibrate", "--backend", "llamacpp"], "--backend applies to --context-only --data decodes"),
+    (["calibrate", "--context-only", "--data", "copyheavy", "--out", "/no/cal"], "no calibration in /no/cal"),
     (["train-head", "--out", "/tmp/x", "--data", "/no/such.jsonl"], "dataset file not found"),
     (["generate", "hi", "--verify", "lossy:nope:0.5"], "unknown lossy rule 'nope'"),
     (["generate", "hi", "--verify", "lossy:lenience:0.5", "--method", "draft"], "needs sampling (temperature > 0)"),

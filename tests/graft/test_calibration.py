@@ -8,7 +8,7 @@ import torch
 from specgraft.auto import choose_budget
 from specgraft.costs import interpolate
 from specgraft.graft.calibration import expected_mat
-from specgraft.tools.calibrate import refit_context, run_calibration
+from specgraft.tools.calibrate import add_context_source, refit_context, run_calibration
 from specgraft.graft.calibration import Calibration, fit_threshold, isotonic
 from specgraft.engine import Engine
 from specgraft.registry import make_drafter
@@ -93,6 +93,49 @@ def test_calibration_run_saves_loads_and_resumes(tmp_path):
     assert bare.sequences == cal.sequences and bare.context == cal.context
     with pytest.raises(SpecgraftError, match="does not record its warm-up rounds"):
         refit_context(engine, Calibration(meta={}), convs)
+
+
+def test_added_context_data_is_decoded_once_fitted_beside_the_warmup_and_replaced_not_doubled(tmp_path):
+    """``calibrate --context-only --data``: the added decodes are AR's text, the table is fitted on warm-up plus
+    added decodes, the same source added again replaces itself, and a sibling reuses the decodes as they are."""
+    from transformers import AutoTokenizer
+
+    from specgraft import models
+    from specgraft.graft.context import fit_context
+
+    tok = AutoTokenizer.from_pretrained(models.resolve("smollm2-135m"))
+    engine = Engine.from_model(tiny_llama(vocab=len(tok), layers=2, scale=8.0), tok, "tiny")
+    warm = [[3, 10, 11, 12, 10, 11, 12, 13]]
+    cal = Calibration(meta={"rounds": 1, "max_new_tokens": 8}, sequences=[list(warm[0])])
+    text = "alpha beta gamma delta epsilon zeta eta theta " * 6  # a prompt the decode can copy from
+    convs = [(str(i), [{"role": "user", "content": f"Repeat: {text} {i}"}]) for i in range(3)]
+    source = {"data": "test", "skip": 0, "rounds": 2, "max_new_tokens": 12, "backend": "transformers",
+              "weights": "float32"}
+    with pytest.raises(SpecgraftError, match="no warm-up decodes"):
+        add_context_source(engine, Calibration(), source, convs)
+    with pytest.raises(SpecgraftError, match="fewer than --rounds 2"):
+        add_context_source(engine, cal, source, convs[:1])
+    add_context_source(engine, cal, source, convs)
+    added = cal.context_sources[0]["sequences"]
+    assert len(cal.context_sources) == 1 and len(added) == 2
+    for seq, (_, msgs) in zip(added, convs):  # each decode is the prompt then AR's greedy continuation
+        prompt = seq[1:1 + seq[0]]
+        assert seq[1 + seq[0]:] == engine.generate(prompt, "ar", max_new_tokens=12).token_ids
+    assert cal.context == fit_context([(s[1:], s[0]) for s in [*warm, *added]])
+    assert cal.context["sequences"] == 3
+    add_context_source(engine, cal, source, convs)  # the same settings again: replaced, not doubled
+    assert len(cal.context_sources) == 1 and cal.context["sequences"] == 3
+    add_context_source(engine, cal, {**source, "skip": 1}, convs[1:])  # another source: added beside it
+    assert len(cal.context_sources) == 2 and cal.context["sequences"] == 5
+    cal.save(tmp_path / "cal")
+    back = Calibration.load(tmp_path / "cal")
+    assert back.context_sources == cal.context_sources and back.context == cal.context
+    assert back.provenance()["context"]["added_sources"][0]["data"] == "test"
+    sibling = Calibration(meta={}, sequences=[list(warm[0])])
+    calls = []
+    engine.generate = lambda *a, **k: calls.append(a)  # a reused source decodes nothing
+    add_context_source(engine, sibling, cal.context_sources[0], convs)
+    assert not calls and sibling.context == fit_context([(s[1:], s[0]) for s in [*warm, *added]])
 
 
 def test_provenance_states_data_size_and_fallbacks():

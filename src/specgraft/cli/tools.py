@@ -96,10 +96,42 @@ def _context_only(out_dir, model: str, dtype: str, cache_dir) -> None:
         task = bar.add_task("context", total=int(cal.meta["rounds"]))
         refit_context(engine, cal, convs, lambda d, t, w: bar.update(task, completed=d, total=t, description=w))
     cal.save(out_dir)
+    _print_table(out_dir, cal)
+
+
+def _print_table(out_dir, cal) -> None:
     first = [row[0] for row in cal.context["table"]]
     print(f"context table: {out_dir}: first-token acceptance by match length {cal.context['buckets']}: "
           f"{first}, from {cal.context['positions']} positions of {cal.context['sequences']} decodes",
           file=sys.stderr)
+
+
+def _context_data(out_dirs: list, model: str, dtype: str, backend: str, cache_dir, source: dict) -> None:
+    """`calibrate --context-only --data NAME`: decode ``source["rounds"]`` prompts of NAME once and refit the
+    context table of every calibration in ``out_dirs`` on its warm-up decodes plus these (the table depends on
+    the target only)."""
+    from datetime import date
+
+    from rich.progress import Progress
+
+    from ..engine import Engine
+    from ..tools.calibrate import SOURCE_KEYS, add_context_source
+    from ..graft.calibration import Calibration
+
+    cals = [(d, Calibration.load(d)) for d in out_dirs]
+    convs = _warmup_conversations(source["data"], source["skip"])
+    engine = Engine(model, dtype, cache_dir, backend=backend)
+    source = {**source, "backend": engine.capabilities.name, "weights": engine.capabilities.weights}
+    key = tuple(source.get(k) for k in SOURCE_KEYS)
+    for out_dir, cal in cals:
+        done = next((s for _, c in cals for s in c.context_sources if tuple(s.get(k) for k in SOURCE_KEYS) == key
+                     and "sequences" in s), None)  # decoded for a sibling calibration of this target: reused
+        with Progress() as bar:
+            task = bar.add_task("context", total=source["rounds"])
+            add_context_source(engine, cal, done or {**source, "date": date.today().isoformat()}, convs,
+                               lambda d, t, w: bar.update(task, completed=d, total=t, description=w))
+        cal.save(out_dir)
+        _print_table(out_dir, cal)
 
 
 @app.command()
@@ -124,7 +156,11 @@ def calibrate(
     resume: bool = typer.Option(False, help="Continue an interrupted calibration in --out."),
     context_only: bool = typer.Option(False, "--context-only", help="Add only the context-retrieval table to the "
                                       "existing calibration in --out (same warm-up prompts and length as it "
-                                      "recorded); thresholds and matrix stay."),
+                                      "recorded); thresholds and matrix stay. With --data: decode --rounds prompts "
+                                      "of that data past --skip as well and fit the table on both, in every "
+                                      "calibration of the model (or only --out's)."),
+    backend: str = typer.Option("transformers", help="--context-only --data: the backend that decodes (transformers "
+                                "or llamacpp); a full calibration runs on transformers."),
     cache_dir: Optional[str] = typer.Option(None, help="Where converted models live (default: user cache)."),
 ) -> None:
     """Warm up Graft's matrix and calibrate its checkpoint thresholds and context table (saved and loaded by
@@ -152,6 +188,17 @@ def calibrate(
     quiet_transformers()
     opts = {"drafter": drafter, "head": head, "model": draft_model, "top_k": "auto", "depth": "auto"}
     out_dir = Path(out) if out else calibration_dir(opts, model)
+    if context_only and data is not None:
+        dirs = [Path(out)] if out else [d for kind in INNER_KINDS
+                                        if ((d := calibration_dir({**opts, "drafter": kind}, model))
+                                            / "calibration.json").exists()]
+        if not dirs:
+            raise SpecgraftError(f"no calibration of {model} to add context data to (run `specgraft calibrate`)")
+        return _context_data(dirs, model, dtype, backend, cache_dir,
+                             {"data": data, "skip": skip, "rounds": rounds, "max_new_tokens": max_new_tokens})
+    if backend != "transformers":
+        raise SpecgraftError("--backend applies to --context-only --data decodes; a full calibration runs on "
+                             "transformers")
     if context_only:
         return _context_only(out_dir, model, dtype, cache_dir)
     convs = _warmup_conversations(data, skip)

@@ -54,6 +54,9 @@ class Calibration:
     accepted_ranks: list[list[int]] = field(default_factory=list)  # per step (autotune)
     context: dict | None = None  # context retrieval's acceptance table (graft.context.fit_context)
     sequences: list[list[int]] = field(default_factory=list)  # the warm-up decodes: prompt length, then ids
+    # further decodes the context table is fitted on (``calibrate --context-only --data``): each source's
+    # settings (data, skip, rounds, max_new_tokens, backend, weights, date) and its ``sequences`` as above
+    context_sources: list[dict] = field(default_factory=list)
 
     # -- what every budget decision reads (auto.py, ``--budget auto``, the server's policy) ---------------
     @property
@@ -108,7 +111,9 @@ class Calibration:
         ctx = self.context or {}
         out["context"] = {"positions": ctx.get("positions"), "sequences": ctx.get("sequences"),
                           "first_token_by_bucket": [row[0] for row in ctx["table"]],
-                          "cells_on_prior": sum(t < ctx["min_trials"] for row in ctx["trials"] for t in row)} \
+                          "cells_on_prior": sum(t < ctx["min_trials"] for row in ctx["trials"] for t in row),
+                          "added_sources": [{k: v for k, v in src.items() if k != "sequences"}
+                                            for src in self.context_sources]} \
             if "table" in ctx else "prior (no context table in this calibration)"
         return out
 
@@ -134,7 +139,8 @@ class Calibration:
         body = json.loads(f.read_text())
         cal = Calibration(tuple(body["thresholds"]), tuple(body["checkpoints"]), body["tau_tail"],
                           tuple(body["rank_weights"]) if body.get("rank_weights") else None, body.get("meta", {}),
-                          None, body.get("accepted_ranks", []), body.get("context"), body.get("sequences", []))
+                          None, body.get("accepted_ranks", []), body.get("context"), body.get("sequences", []),
+                          body.get("context_sources", []))
         if (path / "matrix.safetensors").exists():
             cal.snapshot = load_file(str(path / "matrix.safetensors"))
         return cal

@@ -52,8 +52,45 @@ def refit_context(engine: Engine, cal: Calibration, conversations: list[tuple[st
             cal.sequences.append([len(ids), *ids, *out.token_ids])
             if progress:
                 progress(r + 1, rounds, f"decode: {len(out.token_ids)} tokens")
-    cal.context = fit_context([(s[1:], s[0]) for s in cal.sequences])
+    return refit_table(cal)
+
+
+def refit_table(cal: Calibration) -> Calibration:
+    """The context table fitted on the warm-up decodes and every added source's decodes."""
+    seqs = [*cal.sequences, *(s for src in cal.context_sources for s in src["sequences"])]
+    cal.context = fit_context([(s[1:], s[0]) for s in seqs])
     return cal
+
+
+SOURCE_KEYS = ("data", "skip", "rounds", "max_new_tokens", "backend", "weights")
+
+
+def add_context_source(engine: Engine, cal: Calibration, source: dict, conversations: list[tuple[str, list[dict]]],
+                       progress=None) -> Calibration:
+    """Decode ``source["rounds"]`` of ``conversations`` greedily (prompt lookup: lossless, AR's text) and refit
+    the context table on the warm-up decodes plus every added source's. ``source`` names the decodes
+    (``SOURCE_KEYS``); a source with the same settings replaces the earlier one, and one already decoded for
+    another calibration of the same target (``source["sequences"]``) is reused as it is."""
+    if not cal.sequences:
+        raise SpecgraftError("this calibration keeps no warm-up decodes to fit beside the added data; run "
+                             "`specgraft calibrate --context-only` without --data first")
+    rounds, max_new = int(source["rounds"]), int(source["max_new_tokens"])
+    if len(conversations) < rounds:
+        raise SpecgraftError(f"--data {source['data']} past --skip {source['skip']} has {len(conversations)} "
+                             f"conversations, fewer than --rounds {rounds}")
+    if "sequences" not in source:
+        seqs = []
+        for r in range(rounds):
+            ids = warmup_ids(engine, conversations[r][1])
+            out = engine.generate(ids, "pld", max_new_tokens=max_new)
+            seqs.append([len(ids), *ids, *out.token_ids])
+            if progress:
+                progress(r + 1, rounds, f"decode: {len(out.token_ids)} tokens")
+        source = {**source, "sequences": seqs}
+    key = tuple(source.get(k) for k in SOURCE_KEYS)
+    cal.context_sources = [s for s in cal.context_sources if tuple(s.get(k) for k in SOURCE_KEYS) != key]
+    cal.context_sources.append(source)
+    return refit_table(cal)
 
 
 def run_calibration(engine: Engine, inner: InnerDrafter, conversations: list[tuple[str, list[dict]]], rounds: int,
