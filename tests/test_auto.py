@@ -91,3 +91,48 @@ def test_gate_share_from_equal_mass_bins():
     # checkpoints 0 / 1 at depth 3 (4 passes): half stop after pass 1, none more at level 1 (nested), rest 4
     cal = Calibration(thresholds=(0.5, 0.2), checkpoints=(0, 1), meta={"fits": {"0": fit, "1": fit}})
     assert gate_pass_share(cal, 3) == pytest.approx((0.5 * 1 + 0.5 * 4) / 4)
+
+
+def lookup_row(general: float, copying: float, budget: int = 16) -> dict:
+    ar_tps = 1 / steep(1)
+    return {"method": "pld", "options": {"length": "cost"}, "budget": budget, "mat": 1.0, "draft_s": 0.0,
+            "verify_s": steep(1), "tokens_per_s": general * ar_tps, "mat_copying": 3.0, "vs_ar_copying": copying,
+            "decodes": {"general": 8, "copying": 36}}
+
+
+@pytest.mark.parametrize("general, copying, expect", [
+    (1.01, 1.30, "pld"),  # where no tree wins: not slower on chat, faster on copying -> replaces AR
+    (0.99, 1.30, "ar"),  # slower on general chat: AR stays
+    (1.01, 1.02, "ar"),  # no real gain on copying either
+])
+def test_cost_sized_lookup_replaces_ar_only_when_not_slower_on_general_chat(general, copying, expect):
+    curve = {w: steep(w) for w in WIDTHS}
+    choice = auto.decide("m", curve, [], lookup_row(general, copying))
+    assert choice.method == expect
+    if expect == "pld":
+        assert (choice.budget, choice.options) == (16, {"length": "cost"}) and "instead of AR" in choice.reason
+    else:
+        assert choice.reason.startswith("AR: ") and f"{general:.3f}x AR on general chat" in choice.reason
+    assert auto.decide("m", curve, [], None).method == "ar"  # without the row: as before
+
+
+def test_predict_lookup_replays_the_calibrations_stored_decodes():
+    curve = {w: 1.0 + 0.2 * (w - 1) for w in WIDTHS}  # each extra token costs a fifth of a step
+    chat = [[20, *range(100, 160)]]  # prompt length, then ids that never repeat: nothing to copy
+    block = list(range(300, 340))
+    copying = [[40, *block, *block, *block[:20]]]  # the output copies its prompt verbatim
+    cal = Calibration(sequences=chat)
+    assert auto.predict_lookup(curve, cal) is None  # no copying decodes: nothing predicted
+    cal.context_sources = [{"data": "test", "sequences": copying}]
+    row = auto.predict_lookup(curve, cal)
+    by = row["by_budget"]
+    assert set(by) == set(auto.LOOKUP_BUDGETS) and row["mat"] == 1.0
+    assert row["vs_ar_copying"] > 2 and row["mat_copying"] > 5
+    # chat never drafts, so every cap is AR plus the lookup's host time: none is safe, the cap is the best on chat
+    assert all(r["general"] <= 1.0 for r in by.values()) and by[row["budget"]]["general"] == max(
+        r["general"] for r in by.values())
+    cal.sequences = [[20, *range(100, 130), *range(100, 130)]]  # chat that repeats itself: drafting pays
+    row = auto.predict_lookup(curve, cal)
+    by = row["by_budget"]
+    assert all(r["general"] > 1.0 for r in by.values())  # every cap is safe: the best on copying is taken
+    assert by[row["budget"]]["copying"] == max(r["copying"] for r in by.values())

@@ -7,6 +7,12 @@
 - ``draft_s``: the calibration's mean drafting time per step; for Graft scaled by the share of drafting passes
   its calibrated gate lets run (the gate stops the drafter early on most steps).
 
+Cost-sized prompt lookup (``pld length=cost``) is predicted by replaying it exactly on the calibration's stored
+greedy decodes (``graft.lookup.replay``): the warm-up decodes (general chat, comparable with the trees') and the
+decodes added for the context table (``calibrate --context-only --data``: copying). It drafts only where a draft
+pays, so where no tree beats AR it replaces AR when its replay is not slower than AR on general chat and at least
+``MARGIN`` faster on copying (``decide``).
+
 A speculative method is chosen only when it is predicted at least ``MARGIN`` faster than AR. The choice is
 cached next to the latency curve (per model, dtype, machine and torch build) and recomputed when the curve or
 a calibration file changes. In our words: docs/design.md §5.9.
@@ -18,15 +24,18 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .costs import (curve_path, engine_key, file_stamp, interpolate, latency_curve,  # noqa: F401 -- machine_key
-                    machine_key, write_json)  # re-exported
+from .costs import (curve_cost, curve_path, engine_key, file_stamp, interpolate,  # noqa: F401 -- machine_key
+                    latency_curve, machine_key, write_json)  # re-exported
 from .errors import SpecgraftError
 from .graft.calibration import Calibration, below, expected_mat, gate_pass_share  # noqa: F401 -- below re-exported
+from .graft.context import ContextModel
+from .graft.lookup import CostSizedLookup, replay
 from .models import REGISTRY, cache_root, package_file
-from .registry import DEFAULTS, calibration_dir, find_calibration, shipped_head
+from .registry import DEFAULTS, calibration_dir, context_calibration, find_calibration, shipped_head
 
 MARGIN = 1.05  # a speculative method must be predicted this much faster than AR
-VERSION = 1  # bump when the prediction changes: cached choices of older versions are recomputed
+VERSION = 2  # bump when the prediction changes: cached choices of older versions are recomputed
+LOOKUP_BUDGETS = (4, 8, 16, 32, 64)  # cost-sized PLD's caps tried in the replay
 
 
 @dataclass
@@ -140,8 +149,40 @@ def predict(c: Candidate, cal: Calibration, curve: dict[int, float]) -> dict:
             "calibration_dtype": cal.meta.get("dtype")}
 
 
-def decide(model_name: str, curve: dict[int, float], found: list[tuple[Candidate, Calibration]]) -> AutoChoice:
-    """Pure decision from a latency curve and loaded calibrations (the tests drive it with fake curves)."""
+def predict_lookup(curve: dict[int, float], cal: Calibration, where: str = "calibration") -> dict | None:
+    """Cost-sized PLD replayed on ``cal``'s stored decodes at each of ``LOOKUP_BUDGETS``, on the general (warm-up)
+    and the copying (added) decodes. The cap: the fastest on copying among those not slower than AR on general
+    chat, else the fastest on general chat. The row's ``tokens_per_s`` is the general prediction (comparable
+    with the trees'). None without both kinds of decodes (nothing would show what it gains, or costs, there)."""
+    general = [(s[1:], s[0]) for s in cal.sequences]
+    copying = [(s[1:], s[0]) for src in cal.context_sources for s in src["sequences"]]
+    if not general or not copying:
+        return None
+    cost, model, opts = curve_cost(curve), ContextModel.from_fit(cal.context, where), DEFAULTS["pld"]
+    ar_tps = 1.0 / cost(1)
+
+    def run(seqs, budget: int) -> dict:
+        r = replay(CostSizedLookup(cost, model, opts["max_ngram"], opts["chains"]), seqs, budget)
+        return {**r, "vs_ar": r["tokens"] / (r["verify_s"] + r["host_s"]) / ar_tps}
+
+    runs = {b: (run(general, b), run(copying, b)) for b in LOOKUP_BUDGETS}
+    safe = [b for b in LOOKUP_BUDGETS if runs[b][0]["vs_ar"] >= 1.0]
+    budget = (max(safe, key=lambda b: runs[b][1]["vs_ar"]) if safe
+              else max(LOOKUP_BUDGETS, key=lambda b: runs[b][0]["vs_ar"]))
+    gen, cop = runs[budget]
+    return {"method": "pld", "options": {"length": "cost"}, "budget": budget,
+            "mat": round(gen["tokens"] / gen["steps"], 4), "draft_s": round(gen["host_s"] / gen["steps"], 5),
+            "verify_s": round(gen["verify_s"] / gen["steps"], 5), "tokens_per_s": round(gen["vs_ar"] * ar_tps, 3),
+            "mat_copying": round(cop["tokens"] / cop["steps"], 4), "vs_ar_copying": round(cop["vs_ar"], 3),
+            "by_budget": {b: {"general": round(g["vs_ar"], 3), "copying": round(c["vs_ar"], 3)}
+                          for b, (g, c) in runs.items()},
+            "decodes": {"general": len(general), "copying": len(copying)}}
+
+
+def decide(model_name: str, curve: dict[int, float], found: list[tuple[Candidate, Calibration]],
+           lookup: dict | None = None) -> AutoChoice:
+    """Pure decision from a latency curve, loaded calibrations and cost-sized PLD's replay row
+    (``predict_lookup``; the tests drive it with fake curves)."""
     ar_tps = 1.0 / interpolate(curve, 1)
     table = [{"method": "ar", "options": {}, "budget": 0, "mat": 1.0, "draft_s": 0.0,
               "verify_s": round(1.0 / ar_tps, 5), "tokens_per_s": round(ar_tps, 3), "vs_ar": 1.0}]
@@ -151,6 +192,8 @@ def decide(model_name: str, curve: dict[int, float], found: list[tuple[Candidate
         row = predict(c, cal, curve)
         row["vs_ar"] = round(row["tokens_per_s"] / ar_tps, 3)
         table.append(row)
+    if lookup is not None:
+        table.append({**lookup, "vs_ar": round(lookup["tokens_per_s"] / ar_tps, 3)})
     spec = sorted(table[1:], key=lambda r: -r["tokens_per_s"])
     if not spec:
         return AutoChoice("ar", 0, {}, f"AR: no calibrated speculative method ships for model '{model_name}' "
@@ -158,9 +201,20 @@ def decide(model_name: str, curve: dict[int, float], found: list[tuple[Candidate
     best = spec[0]
     label = best["method"] + "".join(f" {k}={v}" for k, v in best["options"].items())
     if best["tokens_per_s"] < MARGIN * ar_tps:
-        return AutoChoice("ar", 0, {}, f"AR: no speculative method is predicted to beat it on this machine by "
-                          f"{MARGIN - 1:.0%} (best: {label} budget {best['budget']}, predicted "
-                          f"{best['vs_ar']:.2f}x of AR's {ar_tps:.1f} tok/s)", table)
+        why = (f"no speculative method is predicted to beat it on this machine by {MARGIN - 1:.0%} (best: {label} "
+               f"budget {best['budget']}, predicted {best['vs_ar']:.2f}x of AR's {ar_tps:.1f} tok/s)")
+        row = table[-1] if lookup is not None else None
+        if row is not None and row["vs_ar"] >= 1.0 and row["vs_ar_copying"] >= MARGIN:
+            return AutoChoice("pld", row["budget"], dict(row["options"]),
+                              f"pld length=cost instead of AR: {why}; it drafts only where a draft pays, predicted "
+                              f"{row['vs_ar']:.2f}x AR on general chat and {row['vs_ar_copying']:.2f}x where text "
+                              f"repeats (MAT {row['mat_copying']:.2f}; replayed on the calibration's "
+                              f"{row['decodes']['general']} + {row['decodes']['copying']} stored decodes)", table)
+        if row is not None:
+            why += (f"; pld length=cost replays at {row['vs_ar']:.3f}x AR on general chat and "
+                    f"{row['vs_ar_copying']:.2f}x on copying (budget {row['budget']}): it is chosen over AR only "
+                    f"when not slower on the first and {MARGIN - 1:.0%} faster on the second")
+        return AutoChoice("ar", 0, {}, f"AR: {why}", table)
     return AutoChoice(best["method"], best["budget"], dict(best["options"]),
                       f"predicted {best['tokens_per_s']:.1f} tok/s vs AR {ar_tps:.1f} ({best['vs_ar']:.2f}x; "
                       f"MAT {best['mat']:.2f}, {1000 * (best['draft_s'] + best['verify_s']):.0f} ms per step) "
@@ -181,10 +235,14 @@ def _fingerprint(engine, paths: list[Path]) -> dict:
 def choose_method(engine) -> AutoChoice:
     """The method (and budget, options) ``--method auto`` runs on ``engine``; cached per model and dtype."""
     found = candidates(engine.model_name, engine.capabilities.hidden_states)
-    if not found:  # nothing to predict from: no measurement needed
+    context_cal, context_where = context_calibration(engine.model_name)
+    if context_cal is not None and not context_cal.context_sources:
+        context_cal = None  # no copying decodes: cost-sized PLD is not predicted
+    if not found and context_cal is None:  # nothing to predict from: no measurement needed
         return decide(engine.model_name, {1: 1.0}, [])
+    paths = [p for _, p in found] + ([Path(context_where)] if context_cal is not None else [])
     path = _cache_path(engine)
-    fp = _fingerprint(engine, [p for _, p in found])
+    fp = _fingerprint(engine, paths)
     if path.exists():
         try:
             body = json.loads(path.read_text())
@@ -193,8 +251,9 @@ def choose_method(engine) -> AutoChoice:
         except (ValueError, KeyError, TypeError):
             pass  # a damaged cache file is recomputed
     curve = latency_curve(engine)
-    choice = decide(engine.model_name, curve, [(c, Calibration.load(p)) for c, p in found])
-    write_json(path, {"fingerprint": _fingerprint(engine, [p for _, p in found]), "choice": choice.to_dict()})
+    lookup = predict_lookup(curve, context_cal, context_where) if context_cal is not None else None
+    choice = decide(engine.model_name, curve, [(c, Calibration.load(p)) for c, p in found], lookup)
+    write_json(path, {"fingerprint": _fingerprint(engine, paths), "choice": choice.to_dict()})
     return choice
 
 
@@ -207,4 +266,5 @@ def resolve(engine, method: str) -> tuple[str, int | None, dict, AutoChoice | No
     return choice.method, choice.budget, dict(choice.options), choice
 
 
-__all__ = ["AutoChoice", "MARGIN", "auto_budget", "choose_budget", "choose_method", "decide", "resolve"]
+__all__ = ["AutoChoice", "MARGIN", "auto_budget", "choose_budget", "choose_method", "decide", "predict_lookup",
+           "resolve"]

@@ -150,6 +150,14 @@ def latency_curve(engine, widths=WIDTHS, prefix: int = 256, reps: int = 3, refre
     return backend_curve(engine.model_name, engine.backend, widths, prefix, reps, refresh)
 
 
+def curve_cost(curve: dict[int, float]):
+    """``cost(width)`` in seconds from a curve: a dict lookup at a measured width (every width 1..64 is; it runs
+    on a step's path), interpolated off it."""
+    def cost(width: int) -> float:
+        return curve[width] if width in curve else interpolate(curve, width)
+    return cost
+
+
 def interpolate(curve: dict[int, float], w: int) -> float:
     xs = sorted(curve)
     if w <= xs[0]:

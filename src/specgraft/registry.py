@@ -10,7 +10,7 @@ import torch
 from .core.backend import Backend, TargetBackend
 from .core.drafter import Drafter, NoDraft
 from .core.sampling import TRUNCATION_KEYS, SamplingParams
-from .costs import backend_curve, backend_key, interpolate
+from .costs import backend_curve, backend_key, curve_cost
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.pld import PromptLookup
 from .drafters.recycling import TokenRecycling
@@ -130,19 +130,24 @@ def _pld(opts: dict, given: dict, bound: Target):
     if bound.backend is None:
         raise SpecgraftError("pld length=cost sizes its drafts from the target's measured cost curve: "
                              "it runs through an engine (a backend), not on a bare model")
+    for key in ("max_ngram", "chains"):  # refused before a missing curve is measured (a minute or more)
+        if not isinstance(opts[key], int) or isinstance(opts[key], bool) or opts[key] < 1:
+            raise SpecgraftError(f"pld needs an integer {key} >= 1, got {opts[key]!r}")
     curve = backend_curve(bound.name, bound.backend)  # cached per machine; measured once on an idle backend
-    fit, where = None, "prior"
-    for drafter in ("eagle", "draft-tree", "draft-chain"):  # the context table depends on the target only
-        cal, path = find_calibration({"drafter": drafter, "calibration": "auto"}, bound.name)
-        if cal is not None and cal.context:
-            fit, where = cal.context, path
-            break
-    def cost(width: int) -> float:  # every width 1..64 is measured: a lookup per call on the step's path
-        return curve[width] if width in curve else interpolate(curve, width)
-
-    return CostSizedLookup(cost, ContextModel.from_fit(fit, where),
+    cal, where = context_calibration(bound.name)
+    return CostSizedLookup(curve_cost(curve), ContextModel.from_fit(cal.context if cal else None, where),
                            max_ngram=opts["max_ngram"], chains=opts["chains"],
                            curve_source=backend_key(bound.name, bound.backend.capabilities))
+
+
+def context_calibration(target_name: str) -> tuple[Calibration | None, str]:
+    """The first shipped (or user) calibration of the target with a context table, and where it is ("prior"
+    when none): the table depends on the target only, so any drafter's calibration serves."""
+    for drafter in INNER_KINDS:
+        cal, path = find_calibration({"drafter": drafter, "calibration": "auto"}, target_name)
+        if cal is not None and cal.context:
+            return cal, path
+    return None, "prior"
 
 
 def _draft_backend(model, dtype: str, device: str, bound: Target) -> tuple[Backend, str]:

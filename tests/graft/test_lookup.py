@@ -10,7 +10,7 @@ from specgraft.core.drafter import DraftContext
 from specgraft.core.verify import Verdict
 from specgraft.errors import SpecgraftError
 from specgraft.graft.context import PRIOR_CONTINUE, PRIOR_FIRST, ContextModel, Match
-from specgraft.graft.lookup import AcceptanceRecord, CostSizedLookup, best_length
+from specgraft.graft.lookup import AcceptanceRecord, CostSizedLookup, best_length, replay
 from specgraft.registry import make_drafter
 
 from ..engine.test_engine import SAMPLING_PARAMS, SAMPLING_PROMPT, exact_ar_joint, sample_counts
@@ -121,6 +121,21 @@ def test_registry_options():
     assert make_drafter("pld", 16).describe() == {"method": "pld", "max_ngram": 3}  # plain PLD unchanged
 
 
+def test_bad_options_are_refused_before_the_curve_is_measured(monkeypatch):
+    from types import SimpleNamespace
+
+    from specgraft import registry
+
+    def measure(*args, **kwargs):
+        raise AssertionError("the curve was measured for a request that is refused")
+
+    monkeypatch.setattr(registry, "backend_curve", measure)
+    backend = SimpleNamespace(capabilities=None)
+    for key, bad in (("chains", 0), ("max_ngram", "3"), ("chains", True)):
+        with pytest.raises(SpecgraftError, match=f"integer {key} >= 1"):
+            make_drafter("pld", 16, backend=backend, length="cost", **{key: bad})
+
+
 def test_greedy_equal_to_ar_through_the_engine(tiny_engine):
     """On the tiny engine's repetitive outputs cost-sized lookup drafts and is accepted, and every output is AR's."""
     drafted = 0
@@ -144,3 +159,28 @@ def test_sampling_through_the_loop_matches_ar(broken, monkeypatch):
     assert drafter.propose(DraftContext(SAMPLING_PROMPT, budget=8)).size > 1  # the rule is exercised
     check_loop(monkeypatch, broken, lambda n: sample_counts(backend, drafter, SAMPLING_PROMPT, SAMPLING_PARAMS, 8, n),
                exact, N_NEGATIVE if broken else 5000, "pld length=cost")
+
+
+def test_replay_never_drafts_where_width_costs_a_full_token():
+    ids = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5]
+    lookup = CostSizedLookup(lambda w: float(w))  # nothing below certainty pays: every step is AR's
+    r = replay(lookup, [(ids, 5)], budget=8)
+    assert (r["tokens"], r["steps"], r["verify_s"]) == (10, 10, 10.0) and lookup.counters["offered"] == 0
+    r = replay(CostSizedLookup(flat), [(ids, 5)], budget=8)  # free width: copies, accepted whole
+    assert r["tokens"] == 10 and r["steps"] < 5 and r["verify_s"] == r["steps"]
+
+
+def test_replay_of_a_greedy_decode_is_that_decode(tiny_engine):
+    """The replay on (prompt, AR's output) makes the engine's own steps: same step count and accept lengths."""
+    proto = make_drafter("pld", tiny_engine.vocab_size, target_name=tiny_engine.model_name,
+                         backend=tiny_engine.backend, length="cost")  # the curve the engine's drafter reads
+    checked = 0
+    for prompt in ("Tell me a story.", "List the numbers."):
+        out = tiny_engine.generate(prompt, "pld", max_new_tokens=60, length="cost", budget=16)
+        ids = [*out.prompt_ids, *out.token_ids]
+        lookup = proto.fork()
+        r = replay(lookup, [(ids, len(out.prompt_ids) + 1)], budget=16)  # the prefill's token is committed first
+        assert r["tokens"] == len(out.token_ids) - 1
+        assert r["steps"] == out.stats.steps, prompt
+        checked += lookup.counters["accepted"] > 0
+    assert checked >= 1  # the replay drafted and was accepted somewhere

@@ -189,6 +189,8 @@ def calibrate(
     opts = {"drafter": drafter, "head": head, "model": draft_model, "top_k": "auto", "depth": "auto"}
     out_dir = Path(out) if out else calibration_dir(opts, model)
     if context_only and data is not None:
+        if rounds < 1:
+            raise SpecgraftError("--context-only --data decodes --rounds prompts: --rounds must be >= 1")
         dirs = [Path(out)] if out else [d for kind in INNER_KINDS
                                         if ((d := calibration_dir({**opts, "drafter": kind}, model))
                                             / "calibration.json").exists()]

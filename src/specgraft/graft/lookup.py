@@ -24,12 +24,14 @@ fixed n-gram size. Candidates are fixed before verification, so outputs stay los
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
 
 from ..core.drafter import DraftContext
-from ..core.tree import SOURCE_CONTEXT, SOURCE_ROOT, Tree
+from ..core.tree import SOURCE_CONTEXT, SOURCE_ROOT, Tree, depths
+from ..core.verify import walk
 from .context import PRIOR_STRENGTH, ContextModel, Match, bucket, context_trie, find_matches, take_trie
 
 MAX_DEPTH = 64  # longest chain considered (past the table's DEPTH the estimates continue geometrically)
@@ -157,4 +159,28 @@ class CostSizedLookup:
                 "hit_rate": round(c["accepted"] / c["offered"], 4) if c["offered"] else None}
 
 
-__all__ = ["AcceptanceRecord", "CostSizedLookup", "best_length"]
+def replay(lookup: CostSizedLookup, sequences: list[tuple[list[int], int]], budget: int) -> dict:
+    """Greedy decoding of stored greedy decodes ``(ids, prompt_len)`` replayed exactly: each step's tree is what
+    ``lookup`` proposes on the committed ids, its accepted path what the stored text continues with (greedy
+    verification accepts exactly that), its cost ``lookup.cost(tree size)``. Returns the decoded tokens, steps,
+    the summed verify cost and the host time ``propose`` + ``observe`` took here (``--method auto``)."""
+    tokens = steps = 0
+    verify_s = host_s = 0.0
+    for ids, prompt_len in sequences:
+        ids = list(ids)
+        lookup.start(ids[:prompt_len], None)
+        t = prompt_len
+        while t < len(ids):
+            start = time.perf_counter()
+            tree = lookup.propose(DraftContext(ids[:t], budget=budget))
+            want = [ids[t + d] if t + d < len(ids) else -1 for d in depths(tree.parent_list)]
+            verdict = walk(tree, want)
+            lookup.observe(tree, None, verdict)
+            host_s += time.perf_counter() - start
+            verify_s += lookup.cost(tree.size)
+            committed = min(len(verdict.accepted), len(ids) - t)  # the accepted path plus the bonus token
+            tokens, steps, t = tokens + committed, steps + 1, t + committed
+    return {"tokens": tokens, "steps": steps, "verify_s": verify_s, "host_s": host_s}
+
+
+__all__ = ["AcceptanceRecord", "CostSizedLookup", "best_length", "replay"]
