@@ -74,6 +74,22 @@ def test_choice_is_cached_and_recomputed_when_the_curve_changes(fake):
     assert len(fake.calls) == 3
 
 
+def test_a_choice_on_an_uncached_curve_is_not_cached_either(fake, monkeypatch):
+    """A curve measured under contention is not cached (costs.backend_curve); the choice made on it is not
+    either, so the next run measures and decides again."""
+    real = fake.measure
+
+    def uncached(engine):
+        curve = real(engine)
+        (fake.tmp / "latency" / f"{auto.machine_key(engine.model_name, engine.dtype)}.json").unlink()
+        return curve
+
+    monkeypatch.setattr(auto, "latency_curve", uncached)
+    choose_method(engine())
+    choose_method(engine())
+    assert len(fake.calls) == 2 and not auto._cache_path(engine()).exists()
+
+
 def test_model_without_calibration_is_ar_without_measuring(fake, tmp_path):
     choice = choose_method(engine(str(tmp_path / "my-hf-model")))
     assert choice.method == "ar" and "no calibrated speculative method" in choice.reason and not fake.calls
@@ -126,13 +142,13 @@ def test_predict_lookup_replays_the_calibrations_stored_decodes():
     cal.context_sources = [{"data": "test", "sequences": copying}]
     row = auto.predict_lookup(curve, cal)
     by = row["by_budget"]
-    assert set(by) == set(auto.LOOKUP_BUDGETS) and row["mat"] == 1.0
+    assert set(by) == {str(b) for b in auto.LOOKUP_BUDGETS} and row["mat"] == 1.0
     assert row["vs_ar_copying"] > 2 and row["mat_copying"] > 5
     # chat never drafts, so every cap is AR plus the lookup's host time: none is safe, the cap is the best on chat
-    assert all(r["general"] <= 1.0 for r in by.values()) and by[row["budget"]]["general"] == max(
+    assert all(r["general"] <= 1.0 for r in by.values()) and by[str(row["budget"])]["general"] == max(
         r["general"] for r in by.values())
     cal.sequences = [[20, *range(100, 130), *range(100, 130)]]  # chat that repeats itself: drafting pays
     row = auto.predict_lookup(curve, cal)
     by = row["by_budget"]
     assert all(r["general"] > 1.0 for r in by.values())  # every cap is safe: the best on copying is taken
-    assert by[row["budget"]]["copying"] == max(r["copying"] for r in by.values())
+    assert by[str(row["budget"])]["copying"] == max(r["copying"] for r in by.values())

@@ -10,27 +10,34 @@ from specgraft import costs
 from specgraft.core.backend import Capabilities
 
 
-def test_snapshot_counts_busy_time_with_steal_and_without_idle_or_iowait(tmp_path):
+def test_snapshot_counts_busy_time_with_steal_and_without_idle_or_iowait_on_our_cores(tmp_path):
     stat = tmp_path / "stat"
     # user nice system idle iowait irq softirq steal guest guest_nice
-    stat.write_text("cpu  100 10 50 1000 20 5 5 30 7 0\ncpu0 50 5 25 500 10 2 3 15 3 0\n")
-    wall, busy, own = costs.cpu_snapshot(stat)
-    assert busy == pytest.approx((100 + 10 + 50 + 5 + 5 + 30) / os.sysconf("SC_CLK_TCK"))
+    stat.write_text("cpu  160 16 80 1600 32 8 8 48 10 0\n"
+                    "cpu0 100 10 50 1000 20 5 5 30 7 0\n"
+                    "cpu1 60 6 30 600 12 3 3 18 3 0\nintr 12345\n")
+    hz = os.sysconf("SC_CLK_TCK")
+    wall, busy, own, cores = costs.cpu_snapshot(stat, cpus={0, 1})
+    assert busy == pytest.approx((100 + 10 + 50 + 5 + 5 + 30 + 60 + 6 + 30 + 3 + 3 + 18) / hz) and cores == 2
     assert own >= 0 and wall > 0
+    _, busy, _, cores = costs.cpu_snapshot(stat, cpus={1})  # a neighbour on core 0 is not ours to count
+    assert busy == pytest.approx((60 + 6 + 30 + 3 + 3 + 18) / hz) and cores == 1
 
 
 def test_snapshot_is_none_without_proc_stat(tmp_path):
     assert costs.cpu_snapshot(tmp_path / "absent") is None
-    (tmp_path / "garbled").write_text("cpu x y\n")
-    assert costs.cpu_snapshot(tmp_path / "garbled") is None
+    (tmp_path / "garbled").write_text("cpu0 x y\n")
+    assert costs.cpu_snapshot(tmp_path / "garbled", cpus={0}) is None
+    (tmp_path / "other").write_text("cpu0 1 2 3 4 5 6 7 8\n")
+    assert costs.cpu_snapshot(tmp_path / "other", cpus={5}) is None  # none of our cores listed
 
 
-def test_others_share_is_the_machine_time_this_process_did_not_use():
-    assert costs.others_share((0.0, 0.0, 0.0), (2.0, 3.0, 1.0), cpus=2) == pytest.approx(0.5)
-    assert costs.others_share((0.0, 0.0, 0.0), (2.0, 1.0, 1.0), cpus=2) == 0.0  # only us
-    assert costs.others_share((0.0, 5.0, 0.0), (2.0, 4.0, 1.0), cpus=2) == 0.0  # never negative
-    assert costs.others_share(None, (2.0, 1.0, 1.0)) is None
-    assert costs.others_share((2.0, 0.0, 0.0), (2.0, 1.0, 1.0)) is None  # no time passed
+def test_others_share_is_the_cores_time_this_process_did_not_use():
+    assert costs.others_share((0.0, 0.0, 0.0, 2), (2.0, 3.0, 1.0, 2)) == pytest.approx(0.5)
+    assert costs.others_share((0.0, 0.0, 0.0, 2), (2.0, 1.0, 1.0, 2)) == 0.0  # only us
+    assert costs.others_share((0.0, 5.0, 0.0, 2), (2.0, 4.0, 1.0, 2)) == 0.0  # never negative
+    assert costs.others_share(None, (2.0, 1.0, 1.0, 2)) is None
+    assert costs.others_share((2.0, 0.0, 0.0, 2), (2.0, 1.0, 1.0, 2)) is None  # no time passed
 
 
 class FakeBackend:
@@ -49,14 +56,14 @@ def measured(monkeypatch, tmp_path):
         return {w: 0.01 * w for w in widths}
 
     def snapshots():
-        cpus = os.cpu_count() or 1
-        for _ in range(100):  # (wall, machine busy, own): we ran 1 s, others share * wall * cpus
-            yield 0.0, 0.0, 0.0
-            yield 1.0, 1.0 + state.share * cpus, 1.0
+        for _ in range(100):  # (wall, our 2 cores busy, own, cores): we ran 1 s, others share * wall * 2
+            yield 0.0, 0.0, 0.0, 2
+            yield 1.0, 1.0 + state.share * 2, 1.0, 2
 
     feed = snapshots()
     monkeypatch.setattr(costs, "measure_curve", measure)
     monkeypatch.setattr(costs, "cpu_snapshot", lambda: next(feed))
+    monkeypatch.setattr(costs, "_UNCACHED", {})
     return state
 
 
@@ -75,8 +82,10 @@ def test_a_contended_curve_is_used_but_not_cached(measured, capsys):
     assert not costs.backend_curve_path("m", FakeBackend.capabilities).exists()
     err = capsys.readouterr().err
     assert "50% of this machine's CPU time" in err and "not cached" in err
-    costs.backend_curve("m", FakeBackend())  # the next run measures again
-    assert measured.calls == ["float32", "float32"]
+    assert costs.backend_curve("m", FakeBackend()) == curve  # this process: the same curve, not measured again
+    assert measured.calls == ["float32"]
+    costs._UNCACHED.clear()  # the next process measures again
     measured.share = 0.0
     costs.backend_curve("m", FakeBackend())
+    assert measured.calls == ["float32", "float32"]
     assert costs.backend_curve_path("m", FakeBackend.capabilities).exists()

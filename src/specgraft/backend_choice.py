@@ -166,6 +166,7 @@ def choose_backend(model: str, dtype: str, cache_dir=None, device: str = "cpu", 
     assert (winner.backend, winner.dtype) == (best["backend"], best["dtype"])  # pick and the scan agree on ties
     choice = BackendChoice(winner.backend, winner.dtype, best["weights"], reason,
                            sorted(rows, key=lambda r: -r["tokens_per_s"]))
-    write_json(path, {"options": [asdict(o) for o in opts], "fingerprint": _fingerprint(choice.table, model),
-                      "choice": choice.to_dict()})
+    if all(Path(r["curve"]).exists() for r in choice.table):  # an uncached (contended) curve: decide again next run
+        write_json(path, {"options": [asdict(o) for o in opts], "fingerprint": _fingerprint(choice.table, model),
+                          "choice": choice.to_dict()})
     return choice, fastest[2]

@@ -102,27 +102,37 @@ def measure_curve(backend, vocab_size: int, widths=WIDTHS, prefix: int = 256, re
     return out
 
 
-def cpu_snapshot(stat: Path = Path("/proc/stat")) -> tuple[float, float, float] | None:
-    """(wall s, CPU s the whole machine was busy, steal included, CPU s of this process, all its threads); None
-    where the kernel does not publish ``/proc/stat``."""
+def cpu_snapshot(stat: Path = Path("/proc/stat"), cpus: set[int] | None = None):
+    """(wall s, CPU s the cores this process may run on were busy, steal included, CPU s of this process and all
+    its threads, number of those cores); None where the kernel does not publish ``/proc/stat``. Only the cores
+    of this process's affinity count: a neighbour pinned elsewhere does not slow a measurement."""
+    cpus = cpus if cpus is not None else (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None)
+    busy, seen = 0, 0
     try:
-        fields = [int(v) for v in stat.read_text().split("\n", 1)[0].split()[1:9]]
-    except (OSError, ValueError):
+        for line in stat.read_text().splitlines():
+            name, *values = line.split()
+            if not name.startswith("cpu") or name == "cpu" or (cpus is not None and int(name[3:]) not in cpus):
+                continue
+            # user nice system idle iowait irq softirq steal (guest time is already inside user)
+            fields = [int(v) for v in values[:8]]
+            busy, seen = busy + sum(fields) - fields[3] - fields[4], seen + 1
+    except (OSError, ValueError, IndexError):
         return None
-    if len(fields) < 5:
+    if not seen:
         return None
-    # user nice system idle iowait irq softirq steal (guest time is already inside user)
-    busy = sum(fields) - fields[3] - fields[4]
     own = os.times()
-    return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+    return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), own.user + own.system, seen
 
 
-def others_share(before, after, cpus: int | None = None) -> float | None:
-    """The share of all cores' time that other processes (and steal) took between two snapshots."""
+def others_share(before, after) -> float | None:
+    """The share of the measured cores' time that other processes (and steal) took between two snapshots."""
     if before is None or after is None or after[0] <= before[0]:
         return None
     others = (after[1] - before[1]) - (after[2] - before[2])
-    return max(0.0, others / ((after[0] - before[0]) * (cpus or os.cpu_count() or 1)))
+    return max(0.0, others / ((after[0] - before[0]) * after[3]))
+
+
+_UNCACHED: dict[str, dict[int, float]] = {}  # curves measured under contention: kept for this process only
 
 
 def backend_curve(model: str, backend, widths=WIDTHS, prefix: int = 256, reps: int = 3,
@@ -132,6 +142,8 @@ def backend_curve(model: str, backend, widths=WIDTHS, prefix: int = 256, reps: i
     path = backend_curve_path(model, backend.capabilities)
     if path.exists() and not refresh:
         return {int(k): v for k, v in json.loads(path.read_text())["seconds"].items()}
+    if str(path) in _UNCACHED and not refresh:  # one measurement per process: every reader sees the same curve
+        return _UNCACHED[str(path)]
     before = cpu_snapshot()
     out = measure_curve(backend, backend.vocab_size, widths, prefix, reps)
     share = others_share(before, cpu_snapshot())
@@ -139,7 +151,9 @@ def backend_curve(model: str, backend, widths=WIDTHS, prefix: int = 256, reps: i
         print(f"warning: other processes used {share:.0%} of this machine's CPU time while the cost curve of "
               f"{model} was measured; this run uses it, but it is not cached (measure on an idle machine)",
               file=sys.stderr)
+        _UNCACHED[str(path)] = out
         return out
+    _UNCACHED.pop(str(path), None)
     write_json(path, {"key": backend_key(model, backend.capabilities), "prefix": prefix, "seconds": out,
                       "others_cpu_share": None if share is None else round(share, 4)})
     return out

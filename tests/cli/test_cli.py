@@ -56,6 +56,7 @@ def own_cache(tmp_path, smollm2_engine):
     (["calibrate", "--backend", "llamacpp"], "--backend applies to --context-only --data decodes"),
     (["calibrate", "--context-only", "--data", "copyheavy", "--out", "/no/cal"], "no calibration in /no/cal"),
     (["calibrate", "--context-only", "--data", "copyheavy", "--rounds", "0", "--extra", "1"], "--rounds must be >= 1"),
+    (["calibrate", "--context-only", "--data", "humaneval"], "fewer than --rounds 5"),  # past --skip 1000: none
     (["train-head", "--out", "/tmp/x", "--data", "/no/such.jsonl"], "dataset file not found"),
     (["generate", "hi", "--verify", "lossy:nope:0.5"], "unknown lossy rule 'nope'"),
     (["generate", "hi", "--verify", "lossy:lenience:0.5", "--method", "draft"], "needs sampling (temperature > 0)"),

@@ -172,8 +172,7 @@ def test_replay_never_drafts_where_width_costs_a_full_token():
 
 def test_replay_of_a_greedy_decode_is_that_decode(tiny_engine):
     """The replay on (prompt, AR's output) makes the engine's own steps: same step count and accept lengths."""
-    proto = make_drafter("pld", tiny_engine.vocab_size, target_name=tiny_engine.model_name,
-                         backend=tiny_engine.backend, length="cost")  # the curve the engine's drafter reads
+    proto = tiny_engine.drafter("pld", length="cost")  # the prototype the engine's runs fork: the same curve
     checked = 0
     for prompt in ("Tell me a story.", "List the numbers."):
         out = tiny_engine.generate(prompt, "pld", max_new_tokens=60, length="cost", budget=16)

@@ -115,21 +115,27 @@ def _context_data(out_dirs: list, model: str, dtype: str, backend: str, cache_di
     from rich.progress import Progress
 
     from ..engine import Engine
-    from ..tools.calibrate import SOURCE_KEYS, add_context_source
+    from ..tools.calibrate import add_context_source
     from ..graft.calibration import Calibration
 
     cals = [(d, Calibration.load(d)) for d in out_dirs]
     convs = _warmup_conversations(source["data"], source["skip"])
+    for out_dir, cal in cals:  # refused before the model loads
+        if not cal.sequences:
+            raise SpecgraftError(f"{out_dir} keeps no warm-up decodes to fit beside the added data; run `specgraft "
+                                 "calibrate --context-only` without --data first")
+    if len(convs) < source["rounds"]:
+        raise SpecgraftError(f"--data {source['data']} past --skip {source['skip']} has {len(convs)} conversations, "
+                             f"fewer than --rounds {source['rounds']}")
     engine = Engine(model, dtype, cache_dir, backend=backend)
-    source = {**source, "backend": engine.capabilities.name, "weights": engine.capabilities.weights}
-    key = tuple(source.get(k) for k in SOURCE_KEYS)
-    for out_dir, cal in cals:
-        done = next((s for _, c in cals for s in c.context_sources if tuple(s.get(k) for k in SOURCE_KEYS) == key
-                     and "sequences" in s), None)  # decoded for a sibling calibration of this target: reused
+    source = {**source, "backend": engine.capabilities.name, "weights": engine.capabilities.weights,
+              "date": date.today().isoformat()}
+    for out_dir, cal in cals:  # decoded once, for the first calibration; the others take the same decodes
         with Progress() as bar:
             task = bar.add_task("context", total=source["rounds"])
-            add_context_source(engine, cal, done or {**source, "date": date.today().isoformat()}, convs,
+            add_context_source(engine, cal, source, convs,
                                lambda d, t, w: bar.update(task, completed=d, total=t, description=w))
+        source = cal.context_sources[-1]
         cal.save(out_dir)
         _print_table(out_dir, cal)
 
@@ -158,7 +164,8 @@ def calibrate(
                                       "existing calibration in --out (same warm-up prompts and length as it "
                                       "recorded); thresholds and matrix stay. With --data: decode --rounds prompts "
                                       "of that data past --skip as well and fit the table on both, in every "
-                                      "calibration of the model (or only --out's)."),
+                                      "calibration of the model (or only --out's; pld length=cost and --method "
+                                      "auto read the first with a table: eagle, draft-tree, draft-chain)."),
     backend: str = typer.Option("transformers", help="--context-only --data: the backend that decodes (transformers "
                                 "or llamacpp); a full calibration runs on transformers."),
     cache_dir: Optional[str] = typer.Option(None, help="Where converted models live (default: user cache)."),

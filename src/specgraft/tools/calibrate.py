@@ -57,6 +57,9 @@ def refit_context(engine: Engine, cal: Calibration, conversations: list[tuple[st
 
 def refit_table(cal: Calibration) -> Calibration:
     """The context table fitted on the warm-up decodes and every added source's decodes."""
+    if any("sequences" not in src for src in cal.context_sources):
+        raise SpecgraftError("a context source in this calibration has no decodes (`sequences`); add it again with "
+                             "`specgraft calibrate --context-only --data`")
     seqs = [*cal.sequences, *(s for src in cal.context_sources for s in src["sequences"])]
     cal.context = fit_context([(s[1:], s[0]) for s in seqs])
     return cal
