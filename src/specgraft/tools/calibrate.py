@@ -46,13 +46,25 @@ def refit_context(engine: Engine, cal: Calibration, conversations: list[tuple[st
                              "`specgraft calibrate` instead of --context-only")
     rounds, max_new = int(cal.meta.get("rounds", 0)), int(cal.meta.get("max_new_tokens", 0))
     if not cal.sequences:
-        for r in range(rounds):
-            ids = warmup_ids(engine, conversations[r][1])
-            out = engine.generate(ids, "pld", max_new_tokens=max_new)
-            cal.sequences.append([len(ids), *ids, *out.token_ids])
-            if progress:
-                progress(r + 1, rounds, f"decode: {len(out.token_ids)} tokens")
+        if len(conversations) < rounds:
+            raise SpecgraftError(f"the calibration recorded {rounds} warm-up rounds; its data now has "
+                                 f"{len(conversations)} conversations")
+        cal.sequences = greedy_decodes(engine, conversations[:rounds], max_new, progress)
     return refit_table(cal)
+
+
+def greedy_decodes(engine: Engine, conversations: list[tuple[str, list[dict]]], max_new: int,
+                   progress=None) -> list[list[int]]:
+    """Each conversation's first user turn decoded greedily with prompt lookup (lossless: AR's text), stored as
+    ``[prompt length, *prompt, *output]``."""
+    seqs = []
+    for r, (_, messages) in enumerate(conversations):
+        ids = warmup_ids(engine, messages)
+        out = engine.generate(ids, "pld", max_new_tokens=max_new)
+        seqs.append([len(ids), *ids, *out.token_ids])
+        if progress:
+            progress(r + 1, len(conversations), f"decode: {len(out.token_ids)} tokens")
+    return seqs
 
 
 def refit_table(cal: Calibration) -> Calibration:
@@ -82,14 +94,7 @@ def add_context_source(engine: Engine, cal: Calibration, source: dict, conversat
         raise SpecgraftError(f"--data {source['data']} past --skip {source['skip']} has {len(conversations)} "
                              f"conversations, fewer than --rounds {rounds}")
     if "sequences" not in source:
-        seqs = []
-        for r in range(rounds):
-            ids = warmup_ids(engine, conversations[r][1])
-            out = engine.generate(ids, "pld", max_new_tokens=max_new)
-            seqs.append([len(ids), *ids, *out.token_ids])
-            if progress:
-                progress(r + 1, rounds, f"decode: {len(out.token_ids)} tokens")
-        source = {**source, "sequences": seqs}
+        source = {**source, "sequences": greedy_decodes(engine, conversations[:rounds], max_new, progress)}
     key = tuple(source.get(k) for k in SOURCE_KEYS)
     cal.context_sources = [s for s in cal.context_sources if tuple(s.get(k) for k in SOURCE_KEYS) != key]
     cal.context_sources.append(source)
