@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from specgraft.drafters.dynamic_tree import expand_topk, rerank
@@ -17,7 +18,7 @@ def logp(probs: dict, v: int = 4) -> torch.Tensor:
     return x.log()
 
 
-def golden_candidates():
+def golden_candidates(keep=None):
     table = {(A,): {2: 0.5, 3: 0.3}, (B,): {2: 0.7, 3: 0.2}, (A, 2): {0: 0.9, 1: 0.05}, (B, 2): {0: 0.5, 1: 0.4}}
     paths: dict[int, tuple] = {}
 
@@ -39,7 +40,7 @@ def golden_candidates():
             state["parents"].extend([f, f])
         return torch.stack(rows)
 
-    return expand_topk(logp({A: 0.6, B: 0.35}), expand, top_k=2, depth=2)
+    return expand_topk(logp({A: 0.6, B: 0.35}), expand, top_k=2, depth=2, keep=keep)
 
 
 def test_eagle_rerank_golden():
@@ -64,3 +65,63 @@ def test_rerank_is_prefix_closed_for_every_budget():
         tokens, parents, _ = rerank(c, n)
         assert len(tokens) == n
         assert all(p < i + 1 for i, p in enumerate(parents))
+
+
+def path_model(seed: int, vocab: int = 12):
+    """``expand`` for :func:`expand_topk` whose next-token log-probs depend only on the node's path (drawn from a
+    generator seeded by it), so two expansions agree on every node they share. Counts the rows expanded."""
+    state = {"tokens": [], "parents": [], "rows": 0}
+
+    def path(c):
+        out = []
+        while c != -1:
+            out.append(state["tokens"][c])
+            c = state["parents"][c]
+        return tuple(reversed(out))
+
+    def row(key: tuple) -> torch.Tensor:
+        g = torch.Generator().manual_seed(hash((seed, key)) % 2**31)
+        return torch.log_softmax(3 * torch.randn(vocab, generator=g), -1)
+
+    def expand(frontier, top_k):
+        rows = torch.stack([row(path(f)) for f in frontier])
+        for f, r in zip(frontier, rows):  # mirror what expand_topk appends
+            state["tokens"].extend(torch.topk(r, top_k).indices.tolist())
+            state["parents"].extend([f] * top_k)
+        state["rows"] += len(frontier)
+        return rows
+
+    def first(top_k):
+        r = row(())
+        state["tokens"][:] = torch.topk(r, top_k).indices.tolist()
+        state["parents"][:] = [-1] * top_k
+        state["rows"] = 0
+        return r
+
+    return first, expand, state
+
+
+def test_a_frontier_capped_at_what_the_rerank_keeps_gives_the_same_tree_for_fewer_rows():
+    """docs/design.md §4.4: with ``keep``, each level's frontier holds at most ``keep - d - 1`` nodes, and the
+    best ``keep`` candidates (tokens, parents, order) are those of the full expansion, on 300 random models."""
+    for trial in range(300):
+        top_k, depth, keep = 1 + trial % 5, trial % 7, 1 + (trial * 7) % 13
+        first, expand, state = path_model(trial)
+        full = expand_topk(first(top_k), lambda f: expand(f, top_k), top_k, depth)
+        full_rows = state["rows"]
+        capped = expand_topk(first(top_k), lambda f: expand(f, top_k), top_k, depth, keep=keep)
+        assert rerank(capped, keep)[:2] == rerank(full, keep)[:2], (trial, top_k, depth, keep)
+        levels = min(depth, keep - 1)
+        assert state["rows"] == sum(min(top_k, keep - d - 1) for d in range(levels)) <= full_rows
+
+
+def test_the_cap_at_eagles_default_shape_and_the_worked_example():
+    first, expand, state = path_model(0, vocab=40)
+    expand_topk(first(10), lambda f: expand(f, 10), 10, 7, keep=7)
+    assert state["rows"] == 6 + 5 + 4 + 3 + 2 + 1  # instead of 7 levels x 10
+    # the worked example keeping 3: level 1 expands only aa (b's children cannot be kept), so 8 candidates
+    c = golden_candidates(keep=3)
+    assert len(c.tokens) == 2 + 4 + 2 and c.parents[6:] == [2, 2]
+    assert rerank(c, 3)[:2] == rerank(golden_candidates(), 3)[:2] == ([A, B, 2], [0, 0, 1])
+    with pytest.raises(ValueError, match="keep"):
+        expand_topk(first(2), lambda f: expand(f, 2), 2, 2, gate=lambda *a: False, keep=3)

@@ -174,3 +174,28 @@ def test_waiting_features_are_fed_once_defer_max_rows_wait(monkeypatch):
     # a one-token prompt: 1, 2, then 3 waiting rows -> fed; then every third step feeds 3 rows
     assert counter.rows and all(r == [3] for r in counter.rows)
     assert len(counter.rows) == (len(PROMPTS[2]) + 19 - 1) // 3
+
+
+def test_a_tree_drafts_only_the_frontier_it_can_keep_and_is_the_same_tree():
+    """``expand_topk_steps``'s cap in the head drafter: at every budget the capped expansion proposes the
+    full expansion's tree, with ``min(top_k, budget - d - 1)`` head rows per level instead of ``top_k``."""
+    target = tiny_llama(vocab=16, layers=4, scale=4.0)
+    backend = TargetBackend(target)
+    head = random_head(target, [0, 1, 2, 3, 5, 8, 13, 15])
+    proto = make_drafter("eagle", 16, target=target, head=head, top_k=4, depth=5)
+    counter = Counting(proto.runner)
+    for p in PROMPTS:
+        pre = backend.prefill(torch.tensor(p), False, proto.hidden_layers)
+        backend.reset()
+        for budget in (1, 3, 6, 12):
+            trees, rows = [], []
+            for cap in (False, True):
+                d = proto.fork()
+                d.cap_frontier = cap
+                d.start(p, None, pre.hidden)
+                counter.rows.clear()
+                trees.append(drive(d.propose_steps(DraftContext([*p, 7], budget, SamplingParams()))))
+                rows.append(sum(sum(r) for r in counter.rows[1:]))  # every head row after the extend
+            assert trees[0].tokens.tolist() == trees[1].tokens.tolist()
+            assert trees[0].parents.tolist() == trees[1].parents.tolist() and trees[1].size == budget + 1
+            assert rows == [5 * 4, sum(min(4, budget - d - 1) for d in range(min(5, budget - 1)))]

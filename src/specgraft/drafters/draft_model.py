@@ -305,7 +305,7 @@ class DraftModelDrafter:
         """Chains hand out their feeds (``Feed``), trees their root feed and levels (``Extend``), so the engine runs
         every request's in one decode of a shared cache."""
         if self.shape == "tree":
-            return candidates_tree(ctx, (yield from self.draft_steps(ctx)), ctx.budget)
+            return candidates_tree(ctx, (yield from self.draft_steps(ctx, keep=ctx.budget)), ctx.budget)
         drafts, probs, _ = yield from self.chain_steps(ctx, ctx.budget)
         return Tree.chain(ctx.ids[-1], drafts, SOURCE_DRAFT, draft_probs=probs)
 
@@ -361,10 +361,10 @@ class DraftModelDrafter:
         """:meth:`draft_steps` run alone."""
         return drive(self.draft_steps(ctx, gate))
 
-    def draft_steps(self, ctx: DraftContext, gate: Gate | None = None
+    def draft_steps(self, ctx: DraftContext, gate: Gate | None = None, keep: int | None = None
                     ) -> Generator[Feed | Extend, torch.Tensor, Candidates | None]:
         """EAGLE-2-style dynamic tree from the draft model: beam by cumulative log-prob (``gate`` may stop
-        it early). Candidates are deterministic (top-k), so trees are verified with the q = 1 rule. Yields the
+        it early; ``keep``: only the best ``keep`` candidates are used, so the frontiers are capped). Candidates are deterministic (top-k), so trees are verified with the q = 1 rule. Yields the
         root's feed, then one ``Extend`` per level; the speculative nodes are dropped when it ends."""
         self.base, self.drafted = len(ctx.ids), 0
         root_logits = yield Feed(self.runner, self, ctx.ids[self.cached:])
@@ -373,7 +373,7 @@ class DraftModelDrafter:
             return None
         first = torch.log_softmax(root_logits.float(), -1)
         level = _Levels(torch.topk(first, self.top_k).indices.tolist(), [-1] * self.top_k, self.base)
-        steps = expand_topk_steps(first, self.top_k, self.depth, gate)
+        steps = expand_topk_steps(first, self.top_k, self.depth, gate, keep)
         logp = None
         try:
             while True:

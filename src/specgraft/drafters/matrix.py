@@ -50,10 +50,12 @@ class AdjacencyMatrix:
         """``M[tokens[j]] = topk(logits[j])``; a token occurring twice keeps its last occurrence."""
         toks = tokens.tolist()
         last = list({t: j for j, t in enumerate(toks)}.values())  # dict keeps the last index per token
-        idx = torch.tensor(last, dtype=torch.long)
         k = min(self.k, logits.shape[-1])
-        top = torch.topk(logits.index_select(0, idx), k, dim=-1).indices
-        self.table[tokens[idx], :k] = top
+        if len(last) == len(toks):  # no repeats (the usual tree): no copy of [W, V] rows before the top-k
+            self.table[tokens, :k] = torch.topk(logits, k, dim=-1).indices
+            return
+        idx = torch.tensor(last, dtype=torch.long)
+        self.table[tokens[idx], :k] = torch.topk(logits.index_select(0, idx), k, dim=-1).indices
 
     def update_prompt(self, prompt_ids: list[int], logits: torch.Tensor) -> None:
         """The prefill's observations: ``logits`` are the rows at ``last_occurrences(prompt_ids)`` (what the
@@ -62,19 +64,19 @@ class AdjacencyMatrix:
         self.update(ids[torch.tensor(last_occurrences(prompt_ids), dtype=torch.long)], logits)
 
     def gather(self, root: int, parents: np.ndarray, ranks: np.ndarray, depths: np.ndarray) -> torch.Tensor:
-        """Template node tokens, one gather per level; ``-1`` under a cold row (or rank >= k), and below it."""
-        n = len(parents)
-        toks = torch.full((n,), -1, dtype=torch.long)
+        """Template node tokens, one gather per level; ``-1`` under a cold row (or rank >= k), and below it.
+        In numpy on the table's memory: a template is a few dozen nodes, where torch's per-op cost dominates."""
+        table = self.table.numpy()
+        toks = np.full(len(parents), -1, dtype=np.int64)
         toks[0] = root
-        par_t = torch.from_numpy(parents)
-        rank_t = torch.from_numpy(ranks).clamp(0, self.k - 1)
-        rank_ok = torch.from_numpy(ranks < self.k)
+        rank_at = np.clip(ranks, 0, self.k - 1)
+        rank_ok = ranks < self.k
         for d in range(1, int(depths.max(initial=0)) + 1):
-            level = torch.from_numpy(np.flatnonzero(depths == d))
-            ptok = toks[par_t[level]]
-            got = self.table[ptok.clamp(min=0), rank_t[level]]
-            toks[level] = torch.where((ptok >= 0) & rank_ok[level], got, -1)
-        return toks
+            level = np.flatnonzero(depths == d)
+            ptok = toks[parents[level]]
+            got = table[np.maximum(ptok, 0), rank_at[level]]
+            toks[level] = np.where((ptok >= 0) & rank_ok[level], got, -1)
+        return torch.from_numpy(toks)
 
     def materialize(self, root: int, parents: np.ndarray, ranks: np.ndarray, depths: np.ndarray) -> Tree:
         """The template as a tree; nodes under a cold row (or rank >= k) are dropped with their subtree."""

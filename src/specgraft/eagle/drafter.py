@@ -38,6 +38,9 @@ class EagleDrafter:
     name = "eagle"
     shape = "tree"
     needs_prefill_logits = False
+    # False: expand every level to top_k even where the tree cannot keep it (before issue 27's cap; kept to
+    # measure the difference, scripts/draft_batch_cost.py --full-frontier)
+    cap_frontier = True
 
     def __init__(self, head: Eagle3Head, label: str = "custom", top_k: int = 10, depth: int = 7):
         if not (isinstance(top_k, int) and 1 <= top_k <= head.config.draft_vocab_size
@@ -87,17 +90,21 @@ class EagleDrafter:
     def propose_steps(self, ctx: DraftContext) -> ProposeSteps:
         """The proposal as head passes handed out one at a time (``core.drafter.drive_all`` batches them
         across requests)."""
-        return candidates_tree(ctx, (yield from self.draft_steps(ctx)), ctx.budget)
+        # the tree keeps the best ``budget`` candidates: expand only what can be among them
+        keep = ctx.budget if self.cap_frontier else None
+        return candidates_tree(ctx, (yield from self.draft_steps(ctx, keep=keep)), ctx.budget)
 
     def draft(self, ctx: DraftContext, gate: Gate | None = None) -> Candidates | None:
-        """Feed the pending features, then expand (``gate`` may stop early); candidates hold target ids."""
+        """Feed the pending features, then expand to full width (``gate`` may stop early); candidates hold
+        target ids."""
         return drive(self.draft_steps(ctx, gate))
 
     def _call(self, feat, fuse, tokens, positions, past, bias, logit_rows) -> HeadCall:
         return HeadCall(self.runner, self, feat, fuse, tokens, positions, past, bias, logit_rows)
 
-    def draft_steps(self, ctx: DraftContext, gate: Gate | None = None):
-        """:meth:`draft` as steps: yields :class:`HeadCall` units, is sent their results."""
+    def draft_steps(self, ctx: DraftContext, gate: Gate | None = None, keep: int | None = None):
+        """:meth:`draft` as steps: yields :class:`HeadCall` units, is sent their results. ``keep``: only the best
+        ``keep`` candidates will be used (``expand_topk_steps`` caps the frontiers)."""
         if ctx.budget <= 0 and self.pending.shape[0] < DEFER_MAX:
             return None  # nothing to draft: the features wait and join the next extend (see DEFER_MAX)
         head, n = self.head, self.n
@@ -143,7 +150,7 @@ class EagleDrafter:
 
         first = res.logp[0]
         children(first.unsqueeze(0), [-1])
-        steps = expand_topk_steps(first, self.top_k, self.depth, gate)
+        steps = expand_topk_steps(first, self.top_k, self.depth, gate, keep)
         logp = None
         while True:
             try:
