@@ -15,7 +15,9 @@ writes every step's timings as JSON.
         --methods "draft:top_k=3;draft:top_k=4" --batch-sizes 1,8 --budget 8 --out runs/draft-tree-k.json
 
 ``--methods`` entries are ';'-separated, each ``METHOD[:key=value,...]`` (options over ``--opts``); an entry
-without options may list several methods with ',' (``eagle,graft``).
+without options may list several methods with ',' (``eagle,graft``). ``--full-frontier`` adds, for each EAGLE
+cell, one whose trees expand every level to ``top_k`` (``EagleDrafter.cap_frontier = False``: before the cap
+at what the rerank can keep), interleaved with the rest.
 """
 
 from __future__ import annotations
@@ -26,28 +28,49 @@ import statistics
 import subprocess
 from pathlib import Path
 
+from specgraft.eagle.batch import HeadRunner
+from specgraft.eagle.drafter import EagleDrafter
 from specgraft.engine import Engine
 from specgraft.env import environment
 from specgraft.eval.datasets import load_gsm8k
 from specgraft.eval.harness import WARMUP_PROMPT, parse_method
 
 
+class PassCounter:
+    """Counts head forwards (``HeadRunner.run`` calls) and the request units in them."""
+
+    def __init__(self):
+        self.passes = self.units = 0
+        real = HeadRunner.run
+
+        def counted(runner, units):
+            self.passes, self.units = self.passes + 1, self.units + len(units)
+            return real(runner, units)
+
+        HeadRunner.run = counted
+
+
+PASSES = PassCounter()
+
+
 def one_cell(engine: Engine, method: str, prompts: list[str], batch: int, batched: bool, budget: int,
-             max_new_tokens: int, opts: dict) -> list[dict]:
-    """Every step with all ``batch`` requests in flight: its drafting seconds (propose + observe) and head
-    seconds."""
+             max_new_tokens: int, opts: dict, full_frontier: bool = False) -> list[dict]:
+    """Every step with all ``batch`` requests in flight: its drafting seconds (propose + observe), head
+    seconds, head forwards and the request units in them."""
     engine.batch_drafts = batched
+    EagleDrafter.cap_frontier = not full_frontier
     for p in prompts[:batch]:
         engine.add_request(p, method, max_new_tokens=max_new_tokens, budget=budget, **opts)
     steps = []
     while engine.has_unfinished():
         full = len(engine.active) == batch
-        before = engine.totals.draft_s, engine.totals.draft_forward_s
+        before = engine.totals.draft_s, engine.totals.draft_forward_s, PASSES.passes, PASSES.units
         engine.step()
         if full:
             steps.append({"draft_s": engine.totals.draft_s - before[0],
-                          "head_s": engine.totals.draft_forward_s - before[1]})
-    engine.batch_drafts = True
+                          "head_s": engine.totals.draft_forward_s - before[1],
+                          "head_passes": PASSES.passes - before[2], "head_units": PASSES.units - before[3]})
+    engine.batch_drafts, EagleDrafter.cap_frontier = True, True
     return steps
 
 
@@ -74,6 +97,8 @@ def main() -> None:
     ap.add_argument("--opts", default="{}", help="the methods' options as JSON, e.g. a draft tree's shape")
     ap.add_argument("--alone", action=argparse.BooleanOptionalAction, default=True,
                     help="also run each B > 1 cell with every request drafted alone (--no-alone: batched only)")
+    ap.add_argument("--full-frontier", action="store_true",
+                    help="also run every eagle cell expanding each level to top_k (no cap; see the docstring)")
     ap.add_argument("--out", default="runs/draft-batch.json")
     args = ap.parse_args()
     engine = Engine(args.model, args.dtype, backend=args.backend)
@@ -82,6 +107,8 @@ def main() -> None:
     questions = [item.turns[0] for item in load_gsm8k()[::40]]
     cells = [(m, b, mode) for m in specs for b in sizes
              for mode in (("batched", "alone") if b > 1 and args.alone else ("batched",))]
+    if args.full_frontier:
+        cells += [(m, b, f"{mode} full-frontier") for m, b, mode in cells if specs[m][0] == "eagle"]
     for method, opts in specs.values():  # warm-up outside the set
         for p in (WARMUP_PROMPT,) * 2:
             engine.add_request(p, method, max_new_tokens=16, budget=args.budget, **opts)
@@ -93,16 +120,18 @@ def main() -> None:
             start = (rep * max(sizes)) % len(questions)
             prompts = (questions[start:] + questions[:start])[:b]
             method, opts = specs[m]
-            got = one_cell(engine, method, prompts, b, mode == "batched", args.budget, args.max_new_tokens, opts)
+            got = one_cell(engine, method, prompts, b, mode.startswith("batched"), args.budget, args.max_new_tokens,
+                           opts, full_frontier=mode.endswith("full-frontier"))
             steps[f"{m} B={b} {mode}"].extend(got)
             print(f"repeat {rep} {m} B={b} {mode}: {len(got)} steps, median draft "
                   f"{1000 * statistics.median(s['draft_s'] for s in got):.1f} ms", flush=True)
     summary = {k: {"steps": len(v), "draft_ms_median": round(1000 * statistics.median(s["draft_s"] for s in v), 2),
-                   "head_ms_median": round(1000 * statistics.median(s["head_s"] for s in v), 2)}
+                   "head_ms_median": round(1000 * statistics.median(s["head_s"] for s in v), 2),
+                   "head_passes_mean": round(statistics.mean(s["head_passes"] for s in v), 2)}
                for k, v in steps.items()}
-    print("| cell | steps | draft ms/step (median) | of which head ms |\n|---|---|---|---|")
+    print("| cell | steps | draft ms/step (median) | of which head ms | head forwards/step (mean) |\n|---|---|---|---|---|")
     for k, v in summary.items():
-        print(f"| {k} | {v['steps']} | {v['draft_ms_median']} | {v['head_ms_median']} |")
+        print(f"| {k} | {v['steps']} | {v['draft_ms_median']} | {v['head_ms_median']} | {v['head_passes_mean']} |")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                 text=True).stdout.strip())
