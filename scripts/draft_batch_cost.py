@@ -59,6 +59,14 @@ def one_cell(engine: Engine, method: str, prompts: list[str], batch: int, batche
     seconds, head forwards and the request units in them."""
     engine.batch_drafts = batched
     EagleDrafter.cap_frontier = not full_frontier
+    try:
+        return cell_steps(engine, method, prompts, batch, budget, max_new_tokens, opts)
+    finally:
+        engine.batch_drafts, EagleDrafter.cap_frontier = True, True
+
+
+def cell_steps(engine: Engine, method: str, prompts: list[str], batch: int, budget: int, max_new_tokens: int,
+               opts: dict) -> list[dict]:
     for p in prompts[:batch]:
         engine.add_request(p, method, max_new_tokens=max_new_tokens, budget=budget, **opts)
     steps = []
@@ -70,7 +78,6 @@ def one_cell(engine: Engine, method: str, prompts: list[str], batch: int, batche
             steps.append({"draft_s": engine.totals.draft_s - before[0],
                           "head_s": engine.totals.draft_forward_s - before[1],
                           "head_passes": PASSES.passes - before[2], "head_units": PASSES.units - before[3]})
-    engine.batch_drafts, EagleDrafter.cap_frontier = True, True
     return steps
 
 
@@ -129,7 +136,8 @@ def main() -> None:
                    "head_ms_median": round(1000 * statistics.median(s["head_s"] for s in v), 2),
                    "head_passes_mean": round(statistics.mean(s["head_passes"] for s in v), 2)}
                for k, v in steps.items()}
-    print("| cell | steps | draft ms/step (median) | of which head ms | head forwards/step (mean) |\n|---|---|---|---|---|")
+    print("| cell | steps | draft ms/step (median) | of which head ms | head forwards/step (mean) |")
+    print("|---|---|---|---|---|")
     for k, v in summary.items():
         print(f"| {k} | {v['steps']} | {v['draft_ms_median']} | {v['head_ms_median']} | {v['head_passes_mean']} |")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -119,7 +119,7 @@ def test_the_cap_at_eagles_default_shape_and_the_worked_example():
     first, expand, state = path_model(0, vocab=40)
     expand_topk(first(10), lambda f: expand(f, 10), 10, 7, keep=7)
     assert state["rows"] == 6 + 5 + 4 + 3 + 2 + 1  # instead of 7 levels x 10
-    # the worked example keeping 3: level 1 expands only aa (b's children cannot be kept), so 8 candidates
+    # the worked example keeping 3: level 1 expands only aa (ba cannot be kept with a child), so 8 candidates
     c = golden_candidates(keep=3)
     assert len(c.tokens) == 2 + 4 + 2 and c.parents[6:] == [2, 2]
     assert rerank(c, 3)[:2] == rerank(golden_candidates(), 3)[:2] == ([A, B, 2], [0, 0, 1])

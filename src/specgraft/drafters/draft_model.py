@@ -364,8 +364,9 @@ class DraftModelDrafter:
     def draft_steps(self, ctx: DraftContext, gate: Gate | None = None, keep: int | None = None
                     ) -> Generator[Feed | Extend, torch.Tensor, Candidates | None]:
         """EAGLE-2-style dynamic tree from the draft model: beam by cumulative log-prob (``gate`` may stop
-        it early; ``keep``: only the best ``keep`` candidates are used, so the frontiers are capped). Candidates are deterministic (top-k), so trees are verified with the q = 1 rule. Yields the
-        root's feed, then one ``Extend`` per level; the speculative nodes are dropped when it ends."""
+        it early; ``keep``: only the best ``keep`` candidates are used, so the frontiers are capped).
+        Candidates are deterministic (top-k), so trees are verified with the q = 1 rule. Yields the root's
+        feed, then one ``Extend`` per level; the speculative nodes are dropped when it ends."""
         self.base, self.drafted = len(ctx.ids), 0
         root_logits = yield Feed(self.runner, self, ctx.ids[self.cached:])
         self.cached = self.base

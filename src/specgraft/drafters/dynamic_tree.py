@@ -23,8 +23,11 @@ level, the frontier's cumulative log-probs and the log-prob row that produced th
 *Only what the rerank can keep* (``keep``): a caller that keeps the best ``keep`` candidates need not expand
 the rest. A kept node at level ``d`` brings its ``d`` ancestors, and every node of its level that outscores
 it is kept too (their scores are higher than its own), so the parent of a kept level-``d + 1`` node ranks
-within the best ``keep - d - 1`` of level ``d``. Capping each level's frontier at ``min(top_k, keep - d - 1)``
-(and so the depth at ``keep - 1``) therefore yields the same kept candidates, in the same order, up to ties:
+within the best ``keep - d - 1`` of level ``d``. The capped run may expand a node the full run does not (a
+child of a node the full run left out); such a node has ``top_k`` better nodes at its level, so it is not kept,
+and neither is anything below it (their scores are no higher), so it displaces no kept node. Capping each
+level's frontier at ``min(top_k, keep - d - 1)`` (and so the depth at ``keep - 1``) therefore yields the same
+kept candidates, in the same order, up to ties (and up to rounding: the head sees other matrix shapes):
 at budget 7 and ``top_k`` 10, 21 rows through the head instead of 70. Not with a gate or with anything that
 reads ``level_best`` (Graft's checkpoints, calibration): their inputs are the full frontier's.
 

@@ -49,6 +49,8 @@ class AdjacencyMatrix:
     def update(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """``M[tokens[j]] = topk(logits[j])``; a token occurring twice keeps its last occurrence."""
         toks = tokens.tolist()
+        if logits.shape[0] != len(toks):
+            raise ValueError(f"matrix update: {logits.shape[0]} logit rows for {len(toks)} tokens")
         last = list({t: j for j, t in enumerate(toks)}.values())  # dict keeps the last index per token
         k = min(self.k, logits.shape[-1])
         if len(last) == len(toks):  # no repeats (the usual tree): no copy of [W, V] rows before the top-k
