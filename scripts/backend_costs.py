@@ -9,7 +9,7 @@ fixed prefix, prefill time against prompt length, peak resident memory, and wher
     python scripts/backend_costs.py floor --dtype int4                # the weights' memory floor: one read of each
     python scripts/backend_costs.py llama-widths                      # llama.cpp: the GGUF, its gguf-q8 variant,
                                                                       # and the hidden-state tap, interleaved
-    python scripts/backend_costs.py packed-ab --dtype bfloat16         # plain vs prepacked bf16 layers, interleaved
+    python scripts/backend_costs.py packed-ab --dtype float32          # plain vs prepacked layers, interleaved
 
 Each prints one JSON line (and a table on stderr). Timings are medians of ``--reps`` after one warm-up; the
 prefix and prompts are token ids of a fixed text (no evaluation prompt).
@@ -183,7 +183,7 @@ def interleaved(arms: dict, ids: list[int], args) -> dict[str, dict[int, float]]
 
 
 def packed_ab(args) -> dict:
-    """The transformers step with plain bf16 linear layers against the same weights prepacked for oneDNN
+    """The transformers step with plain linear layers (bf16 or fp32) against the same weights prepacked for oneDNN
     (``backends/packed.py``), interleaved in one process (both copies held: ~2x the weights' memory)."""
     from specgraft.backends import load_transformers
     from specgraft.backends.packed import prepack

@@ -17,13 +17,16 @@ writes every step's timings as JSON.
 ``--methods`` entries are ';'-separated, each ``METHOD[:key=value,...]`` (options over ``--opts``); an entry
 without options may list several methods with ',' (``eagle,graft``). ``--full-frontier`` adds, for each EAGLE
 cell, one whose trees expand every level to ``top_k`` (``EagleDrafter.cap_frontier = False``: before the cap
-at what the rerank can keep), interleaved with the rest.
+at what the rerank can keep), interleaved with the rest. ``--plain-head`` adds, for each EAGLE cell, one whose
+head keeps PyTorch's plain linear layers (loaded with ``SPECGRAFT_PREPACK=0``; the default head's layers are
+prepacked for oneDNN, ``backends/packed.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 from pathlib import Path
@@ -63,6 +66,20 @@ def one_cell(engine: Engine, method: str, prompts: list[str], batch: int, batche
         return cell_steps(engine, method, prompts, batch, budget, max_new_tokens, opts)
     finally:
         engine.batch_drafts, EagleDrafter.cap_frontier = True, True
+
+
+# A plain-head cell asks for its drafter with this option (the default's value): another prototype, whose head is
+# loaded with packing switched off (plain_head_prototype)
+PLAIN_HEAD = {"top_k": 10}
+
+
+def plain_head_prototype(engine: Engine) -> None:
+    """Builds the EAGLE prototype the plain-head cells use, its head loaded without prepacked layers."""
+    os.environ["SPECGRAFT_PREPACK"] = "0"
+    try:
+        engine.drafter("eagle", **PLAIN_HEAD)
+    finally:
+        os.environ.pop("SPECGRAFT_PREPACK")
 
 
 def cell_steps(engine: Engine, method: str, prompts: list[str], batch: int, budget: int, max_new_tokens: int,
@@ -106,6 +123,8 @@ def main() -> None:
                     help="also run each B > 1 cell with every request drafted alone (--no-alone: batched only)")
     ap.add_argument("--full-frontier", action="store_true",
                     help="also run every eagle cell expanding each level to top_k (no cap; see the docstring)")
+    ap.add_argument("--plain-head", action="store_true",
+                    help="also run every eagle cell with the head's plain (not prepacked) layers")
     ap.add_argument("--out", default="runs/draft-batch.json")
     args = ap.parse_args()
     engine = Engine(args.model, args.dtype, backend=args.backend)
@@ -116,7 +135,12 @@ def main() -> None:
              for mode in (("batched", "alone") if b > 1 and args.alone else ("batched",))]
     if args.full_frontier:
         cells += [(m, b, f"{mode} full-frontier") for m, b, mode in cells if specs[m][0] == "eagle"]
-    for method, opts in specs.values():  # warm-up outside the set
+    if args.plain_head:
+        cells += [(m, b, f"{mode} plain-head") for m, b, mode in cells
+                  if specs[m][0] == "eagle" and not mode.endswith("full-frontier")]
+        plain_head_prototype(engine)
+    warm = list(specs.values()) + ([("eagle", PLAIN_HEAD)] if args.plain_head else [])
+    for method, opts in warm:  # warm-up outside the set
         for p in (WARMUP_PROMPT,) * 2:
             engine.add_request(p, method, max_new_tokens=16, budget=args.budget, **opts)
         engine.run()
@@ -127,6 +151,7 @@ def main() -> None:
             start = (rep * max(sizes)) % len(questions)
             prompts = (questions[start:] + questions[:start])[:b]
             method, opts = specs[m]
+            opts = {**opts, **PLAIN_HEAD} if mode.endswith("plain-head") else opts
             got = one_cell(engine, method, prompts, b, mode.startswith("batched"), args.budget, args.max_new_tokens,
                            opts, full_frontier=mode.endswith("full-frontier"))
             steps[f"{m} B={b} {mode}"].extend(got)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from .backends.packed import prepack
 from .core.backend import Backend, TargetBackend
 from .core.drafter import Drafter, NoDraft
 from .core.sampling import TRUNCATION_KEYS, SamplingParams
@@ -190,8 +191,10 @@ def _eagle(head, bound: Target, top_k: int, depth: int) -> EagleDrafter:
     if path is None:
         raise SpecgraftError(f"no EAGLE-3 head ships for model '{target_name}'; pass --opt head=DIR or train one "
                              "with `specgraft train-head`")
-    return EagleDrafter(load_head(path, target), str(head if head != "auto" else f"auto ({target_name})"), top_k,
-                        depth)
+    loaded = load_head(path, target)
+    if next(loaded.parameters()).device.type == "cpu":
+        prepack(loaded)  # batched drafting runs 2-60 rows per pass: the plain kernels' worst widths (packed.py)
+    return EagleDrafter(loaded, str(head if head != "auto" else f"auto ({target_name})"), top_k, depth)
 
 
 INNER_KINDS = ("eagle", "draft-tree", "draft-chain")

@@ -20,9 +20,9 @@ def test_the_probe_agrees_with_the_cpu_flags():
 
 
 def test_without_the_path_a_bf16_model_keeps_its_plain_layers(monkeypatch):
-    monkeypatch.setattr(packed, "bf16_path", lambda: False)
+    monkeypatch.setattr(packed, "packed_path", lambda dtype: dtype != torch.bfloat16)
     model = tiny_llama(vocab=64, layers=1).to(torch.bfloat16)
-    assert not packed.available() and packed.prepack(model) == []
+    assert not packed.available(torch.bfloat16) and packed.prepack(model) == []
     assert packed_layers(model) == 0 and type(model.lm_head) is torch.nn.Linear
     x = torch.tensor([[1, 2, 3]])
     assert torch.isfinite(model(input_ids=x).logits).all()

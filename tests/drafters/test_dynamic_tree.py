@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from specgraft.drafters.dynamic_tree import expand_topk, rerank
+from specgraft.drafters.dynamic_tree import Pool, expand_topk, expand_topk_steps, rerank
 from specgraft.core.tree import Tree
 
 A, B = 0, 1  # level-0 tokens; children use tokens 2/3 (level 1) and 0/1 (level 2)
@@ -101,9 +101,11 @@ def path_model(seed: int, vocab: int = 12):
     return first, expand, state
 
 
-def test_a_frontier_capped_at_what_the_rerank_keeps_gives_the_same_tree_for_fewer_rows():
-    """docs/design.md §4.4: with ``keep``, each level's frontier holds at most ``keep - d - 1`` nodes, and the
-    best ``keep`` candidates (tokens, parents, order) are those of the full expansion, on 300 random models."""
+def test_expanding_only_what_the_rerank_can_keep_gives_the_same_tree_for_fewer_rows():
+    """docs/design.md §4.4: with ``keep``, a node is expanded only while fewer than ``keep`` generated nodes
+    score at least as high (so at most ``keep - d - 1`` nodes of level ``d``), and the best ``keep`` candidates
+    (tokens, parents, order) are those of the full expansion, on 300 random models."""
+    saved = 0
     for trial in range(300):
         top_k, depth, keep = 1 + trial % 5, trial % 7, 1 + (trial * 7) % 13
         first, expand, state = path_model(trial)
@@ -111,17 +113,43 @@ def test_a_frontier_capped_at_what_the_rerank_keeps_gives_the_same_tree_for_fewe
         full_rows = state["rows"]
         capped = expand_topk(first(top_k), lambda f: expand(f, top_k), top_k, depth, keep=keep)
         assert rerank(capped, keep)[:2] == rerank(full, keep)[:2], (trial, top_k, depth, keep)
-        levels = min(depth, keep - 1)
-        assert state["rows"] == sum(min(top_k, keep - d - 1) for d in range(levels)) <= full_rows
+        per_level_bound = sum(min(top_k, keep - d - 1) for d in range(min(depth, keep - 1)))
+        assert state["rows"] <= per_level_bound <= full_rows
+        saved += per_level_bound - state["rows"]
+    assert saved > 0  # the count sees better nodes at other levels, not only the node's own level
 
 
-def test_the_cap_at_eagles_default_shape_and_the_worked_example():
+def test_the_count_rule_at_eagles_default_shape_and_the_worked_example():
     first, expand, state = path_model(0, vocab=40)
-    expand_topk(first(10), lambda f: expand(f, 10), 10, 7, keep=7)
-    assert state["rows"] == 6 + 5 + 4 + 3 + 2 + 1  # instead of 7 levels x 10
-    # the worked example keeping 3: level 1 expands only aa (ba cannot be kept with a child), so 8 candidates
+    full = expand_topk(first(10), lambda f: expand(f, 10), 10, 7)
+    capped = expand_topk(first(10), lambda f: expand(f, 10), 10, 7, keep=7)
+    assert rerank(capped, 7)[:2] == rerank(full, 7)[:2]
+    assert state["rows"] <= 6 + 5 + 4 + 3 + 2 + 1  # instead of 7 levels x 10
+    # the worked example keeping 3: a and b are expanded; aa (.30) already has a, b and itself at least as
+    # high, so its children (rank >= 4) cannot be kept and level 1 expands nothing: 6 candidates
     c = golden_candidates(keep=3)
-    assert len(c.tokens) == 2 + 4 + 2 and c.parents[6:] == [2, 2]
+    assert len(c.tokens) == 2 + 4
     assert rerank(c, 3)[:2] == rerank(golden_candidates(), 3)[:2] == ([A, B, 2], [0, 0, 1])
+    # keeping 4, aa (3 at least as high) is expanded and ba (.245: a, b, aa, ba) is not
+    c4 = golden_candidates(keep=4)
+    assert len(c4.tokens) == 2 + 4 + 2 and c4.parents[6:] == [2, 2]
+    assert rerank(c4, 4)[:2] == rerank(golden_candidates(), 4)[:2]
     with pytest.raises(ValueError, match="keep"):
         expand_topk(first(2), lambda f: expand(f, 2), 2, 2, gate=lambda *a: False, keep=3)
+
+
+def test_the_pool_is_filled_as_candidates_are_generated():
+    """A drafter reads the frontier's tokens and parents from the pool between steps."""
+    first, expand, state = path_model(3)
+    pool = Pool()
+    steps = expand_topk_steps(first(3), 3, 2, pool=pool)
+    frontier = steps.send(None)
+    assert pool.tokens == state["tokens"] and pool.parents == [-1] * 3 and frontier == [0, 1, 2]
+    frontier = steps.send(expand(frontier, 3))
+    assert pool.tokens == state["tokens"] and len(pool.tokens) == 3 + 9
+    assert all(pool.levels[c] == 1 for c in frontier)
+    with pytest.raises(StopIteration) as stop:
+        steps.send(expand(frontier, 3))
+    assert stop.value.value.tokens is pool.tokens and len(pool.tokens) == 3 + 9 + 9
+    with pytest.raises(ValueError, match="empty"):
+        next(expand_topk_steps(first(3), 3, 2, pool=pool))

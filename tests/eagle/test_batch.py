@@ -177,13 +177,15 @@ def test_waiting_features_are_fed_once_defer_max_rows_wait(monkeypatch):
 
 
 def test_a_tree_drafts_only_the_frontier_it_can_keep_and_is_the_same_tree():
-    """``expand_topk_steps``'s cap in the head drafter: at every budget the capped expansion proposes the
-    full expansion's tree, with ``min(top_k, budget - d - 1)`` head rows per level instead of ``top_k``."""
+    """``expand_topk_steps``'s count rule in the head drafter: at every budget the capped expansion proposes
+    the full expansion's tree, with at most ``min(top_k, budget - d - 1)`` head rows per level instead of
+    ``top_k``, and fewer over the run."""
     target = tiny_llama(vocab=16, layers=4, scale=4.0)
     backend = TargetBackend(target)
     head = random_head(target, [0, 1, 2, 3, 5, 8, 13, 15])
     proto = make_drafter("eagle", 16, target=target, head=head, top_k=4, depth=5)
     counter = Counting(proto.runner)
+    below_level_bound = 0
     for p in PROMPTS:
         pre = backend.prefill(torch.tensor(p), False, proto.hidden_layers)
         backend.reset()
@@ -198,4 +200,7 @@ def test_a_tree_drafts_only_the_frontier_it_can_keep_and_is_the_same_tree():
                 rows.append(sum(sum(r) for r in counter.rows[1:]))  # every head row after the extend
             assert trees[0].tokens.tolist() == trees[1].tokens.tolist()
             assert trees[0].parents.tolist() == trees[1].parents.tolist() and trees[1].size == budget + 1
-            assert rows == [5 * 4, sum(min(4, budget - d - 1) for d in range(min(5, budget - 1)))]
+            level_bound = sum(min(4, budget - d - 1) for d in range(min(5, budget - 1)))
+            assert rows[0] == 5 * 4 and rows[1] <= level_bound
+            below_level_bound += level_bound - rows[1]
+    assert below_level_bound > 0

@@ -42,7 +42,7 @@ def load_transformers(name_or_path: str, dtype: str, cache_dir, device: str):
 
 
 def _prepack(model, device: str) -> None:
-    """bf16 linear layers on the CPU get their weights in oneDNN's layout once (``backends/packed.py``)."""
+    """bf16 and fp32 linear layers on the CPU get their weights in oneDNN's layout once (``backends/packed.py``)."""
     if device == "cpu":
         from .packed import prepack
 

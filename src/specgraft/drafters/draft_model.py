@@ -26,7 +26,7 @@ from typing import Any, Generator
 import torch
 
 from ..core.backend import Backend, TargetBackend
-from .dynamic_tree import Candidates, Gate, candidates_tree, expand_topk_steps
+from .dynamic_tree import Candidates, Gate, Pool, candidates_tree, expand_topk_steps
 from ..core.sampling import make_generator, target_probs
 from ..core.tree import SOURCE_DRAFT, Tree, path_to
 from ..core.drafter import DraftContext, ProposeSteps, drive
@@ -200,7 +200,7 @@ def _run_rows(backend: Backend, units: list[Feed | Extend], rows: list[int]) -> 
 
 
 class _Levels:
-    """The candidates a draft tree has generated (mirroring ``expand_topk_steps``) and the slots of those fed
+    """The candidates a draft tree has generated (``expand_topk_steps``' pool) and the slots of those fed
     as speculative positions: what each level's ``Extend`` needs (tokens, positions, visibility)."""
 
     def __init__(self, tokens: list[int], parents: list[int], base: int):
@@ -221,12 +221,6 @@ class _Levels:
         # The root (the last committed token) sits at position base - 1, so a node at depth d (root's children:
         # d = 1) sits at base + d - 1, as in the chain path.
         return torch.tensor([self.tokens[f] for f in frontier]), torch.tensor(depth) + self.base - 1, visible
-
-    def add_children(self, frontier: list[int], top: torch.Tensor) -> None:
-        """The candidates ``expand_topk_steps`` appends next: each frontier node's top-k, in frontier order."""
-        for j, f in enumerate(frontier):
-            self.tokens.extend(top[j].tolist())
-            self.parents.extend([f] * int(top.shape[1]))
 
 
 class DraftModelDrafter:
@@ -373,8 +367,9 @@ class DraftModelDrafter:
         if ctx.budget <= 0:
             return None
         first = torch.log_softmax(root_logits.float(), -1)
-        level = _Levels(torch.topk(first, self.top_k).indices.tolist(), [-1] * self.top_k, self.base)
-        steps = expand_topk_steps(first, self.top_k, self.depth, gate, keep)
+        pool = Pool()  # filled by expand_topk_steps; _Levels reads its tokens and parents
+        level = _Levels(pool.tokens, pool.parents, self.base)
+        steps = expand_topk_steps(first, self.top_k, self.depth, gate, keep, pool)
         logp = None
         try:
             while True:
@@ -384,7 +379,6 @@ class DraftModelDrafter:
                     return stop.value
                 logits = yield Extend(self.runner, self, *level.nodes(frontier))
                 logp = torch.log_softmax(logits.float(), -1)
-                level.add_children(frontier, torch.topk(logp, self.top_k, dim=-1).indices)
         finally:
             self._truncate(self.base)
 

@@ -21,22 +21,26 @@ level, the frontier's cumulative log-probs and the log-prob row that produced th
 ``True`` no further draft forward runs and ``Candidates.stopped_at`` records the level.
 
 *Only what the rerank can keep* (``keep``): a caller that keeps the best ``keep`` candidates need not expand
-the rest. A kept node at level ``d`` brings its ``d`` ancestors, and every node of its level that outscores
-it is kept too (their scores are higher than its own), so the parent of a kept level-``d + 1`` node ranks
-within the best ``keep - d - 1`` of level ``d``. The capped run may expand a node the full run does not (a
-child of a node the full run left out); such a node has ``top_k`` better nodes at its level, so it is not kept,
-and neither is anything below it (their scores are no higher), so it displaces no kept node. Capping each
-level's frontier at ``min(top_k, keep - d - 1)`` (and so the depth at ``keep - 1``) therefore yields the same
-kept candidates, in the same order, up to ties (and up to rounding: the head sees other matrix shapes):
-at budget 7 and ``top_k`` 10, 21 rows through the head instead of 70. Not with a gate or with anything that
-reads ``level_best`` (Graft's checkpoints, calibration): their inputs are the full frontier's.
+a node whose children cannot be among them. A child never outscores its parent and comes after every node
+generated before it, so if ``keep`` generated nodes already score at least as high as a node, none of its
+descendants can be kept: it is not expanded (the *count rule*). Its ancestors and the nodes of its level that
+outscore it are among those counted, so at most ``keep - d - 1`` nodes of level ``d`` are expanded and no level
+past ``keep - 1``; the count also sees better nodes at other levels (a confident head's runner-up siblings), so
+it usually stops sooner. Same kept tree: with distinct scores let ``t`` be the full run's ``keep``-th best
+score. By induction over levels, every node the capped run generates that scores ``>= t`` is one the full run
+keeps (its first ancestor the full run did not expand had ``top_k`` better nodes at its level, all kept, so the
+capped run would not have expanded it either), hence every kept node's parent passes both the top-``k`` and
+the count test in the capped run and is expanded. So the best ``keep`` candidates are the same, in the same
+order, up to ties (and up to rounding: the head sees other matrix shapes); at budget 7 and ``top_k`` 10 at
+most 21 rows go through the head instead of 70. Not with a gate or with anything that reads ``level_best``
+(Graft's checkpoints, calibration): their inputs are the full frontier's.
 
 In our words, with the worked examples the tests assert: docs/design.md §4.4.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Generator, Literal, Protocol
 
 import torch
@@ -53,6 +57,17 @@ class Candidates:
     level_best: list[float]  # best cumulative probability per level (checkpoint confidences c_l)
     stopped_at: int | None = None  # the level at which a gate stopped the expansion
     levels: list[int] | None = None  # level of each candidate (0 = the root's children)
+
+
+@dataclass
+class Pool:
+    """The candidates generated so far, filled in place by :func:`expand_topk_steps` (a drafter reads the
+    frontier's tokens and parents between steps instead of repeating each level's top-k)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    levels: list[int] = field(default_factory=list)
 
 
 Gate = Callable[[int, torch.Tensor, torch.Tensor], bool]  # (level, frontier scores [f], best's logp row [V])
@@ -84,7 +99,7 @@ InnerDrafter = TreeDrafter | ChainDrafter
 def expand_topk(first_logp: torch.Tensor, expand: Callable[[list[int]], torch.Tensor], top_k: int,
                 depth: int, gate: Gate | None = None, keep: int | None = None) -> Candidates:
     """Level 0 from ``first_logp`` ``[V]``, then up to ``depth`` expansions of the best ``top_k`` frontier
-    (capped by ``keep``: see the module docstring)."""
+    (with ``keep``, only nodes the count rule allows: see the module docstring)."""
     steps = expand_topk_steps(first_logp, top_k, depth, gate, keep)
     logp = None
     while True:
@@ -95,21 +110,35 @@ def expand_topk(first_logp: torch.Tensor, expand: Callable[[list[int]], torch.Te
         logp = expand(frontier)
 
 
+def expandable(scores: list[float], best: list[int], keep: int | None) -> list[int]:
+    """Of a level's best nodes ``best`` (candidate indices), those the count rule lets a caller keeping
+    ``keep`` candidates expand: fewer than ``keep`` generated nodes score at least as high (module docstring)."""
+    if keep is None or not best:
+        return best
+    generated = torch.tensor(scores, dtype=torch.float64)
+    ahead = (generated.unsqueeze(0) >= generated[best].unsqueeze(1)).sum(1)  # [len(best)]
+    return [b for b, n in zip(best, ahead.tolist()) if n < keep]
+
+
 def expand_topk_steps(first_logp: torch.Tensor, top_k: int, depth: int, gate: Gate | None = None,
-                      keep: int | None = None) -> Generator[list[int], torch.Tensor, Candidates]:
+                      keep: int | None = None, pool: Pool | None = None
+                      ) -> Generator[list[int], torch.Tensor, Candidates]:
     """:func:`expand_topk` as steps: yields each frontier (candidate indices), is sent its log-probabilities
     ``[len(frontier), V]``, returns the candidates. A batched drafter runs many requests' steps in lockstep.
-    ``keep``: the caller keeps only the best ``keep`` candidates, so frontiers are capped (module docstring)."""
+    ``keep``: the caller keeps only the best ``keep`` candidates, so only what can be kept is expanded (module
+    docstring). ``pool``: an empty :class:`Pool` the candidates are appended to as they are generated."""
     if keep is not None and gate is not None:
         raise ValueError("expand_topk: keep caps the frontiers a gate reads; use one or the other")
-
-    def width(level: int) -> int:  # how many of a level's best nodes are expanded
-        return top_k if keep is None else max(0, min(top_k, keep - level - 1))
-
+    pool = Pool() if pool is None else pool
+    if pool.tokens:
+        raise ValueError("expand_topk: the pool must start empty")
+    tokens, parents, scores, levels = pool.tokens, pool.parents, pool.scores, pool.levels
     vals, ids = torch.topk(first_logp.float(), top_k)
-    tokens, parents, scores = ids.tolist(), [-1] * top_k, vals.tolist()
-    levels = [0] * top_k
-    frontier = list(range(width(0)))
+    tokens.extend(ids.tolist())
+    parents.extend([-1] * top_k)
+    scores.extend(vals.tolist())
+    levels.extend([0] * top_k)
+    frontier = expandable(scores, list(range(top_k)), keep)
     level_best = [float(vals[0].exp())]
     if gate is not None and gate(0, vals, first_logp):
         return Candidates(tokens, parents, scores, level_best, 0, levels)
@@ -120,13 +149,12 @@ def expand_topk_steps(first_logp: torch.Tensor, top_k: int, depth: int, gate: Ga
         cv, ci = torch.topk(logp, top_k, dim=-1)  # [f, k]
         cum = cv + torch.tensor([scores[f] for f in frontier]).unsqueeze(1)
         start = len(tokens)
-        for row, f in enumerate(frontier):
-            tokens.extend(ci[row].tolist())
-            parents.extend([f] * top_k)
-            scores.extend(cum[row].tolist())
+        tokens.extend(ci.flatten().tolist())
+        parents.extend(f for f in frontier for _ in range(top_k))
+        scores.extend(cum.flatten().tolist())
         levels.extend([level] * cum.numel())
         top = torch.topk(cum.flatten(), min(top_k, cum.numel()))
-        frontier = [start + b for b in top.indices.tolist()[: width(level)]]
+        frontier = expandable(scores, [start + b for b in top.indices.tolist()], keep)
         level_best.append(float(top.values[0].exp()))
         if gate is not None and gate(level, top.values, logp[int(top.indices[0]) // top_k]):
             return Candidates(tokens, parents, scores, level_best, level, levels)

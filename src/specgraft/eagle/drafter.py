@@ -24,7 +24,7 @@ import torch
 
 from ..core.drafter import DraftContext, ProposeSteps, drive
 from ..core.tree import Tree, path_to
-from ..drafters.dynamic_tree import Candidates, Gate, candidates_tree, expand_topk_steps
+from ..drafters.dynamic_tree import Candidates, Gate, Pool, candidates_tree, expand_topk_steps
 from .batch import HeadCall, HeadRunner
 from .head import Eagle3Head
 
@@ -69,7 +69,7 @@ class EagleDrafter:
 
     def _features(self, hidden: dict[int, torch.Tensor], rows) -> torch.Tensor:
         # in the head's dtype: llama.cpp hands fp32 features to a bf16 head
-        return torch.cat([hidden[i][rows] for i in self.hidden_layers], -1).to(self.head.fc.weight.dtype)
+        return torch.cat([hidden[i][rows] for i in self.hidden_layers], -1).to(self.head.dtype)
 
     def _write(self, at: int, k: torch.Tensor, v: torch.Tensor) -> None:
         need = at + k.shape[2]
@@ -122,14 +122,7 @@ class EagleDrafter:
         h_last, base = res.h[-1], self.n  # base = N - 1: the position of level-0 nodes
         outs: dict[int, torch.Tensor] = {}  # candidate -> its head output (the feature of its children)
         slot: dict[int, int] = {}  # candidate -> index among the speculative keys
-        cand_tokens: list[int] = []  # target ids, mirrored from expand_topk's candidate list
-        cand_parents: list[int] = []
-
-        def children(logp: torch.Tensor, parents: list[int]) -> None:
-            top = head.to_target(torch.topk(logp, self.top_k, dim=-1).indices)
-            for row, par in enumerate(parents):
-                cand_tokens.extend(top[row].tolist())
-                cand_parents.extend([par] * self.top_k)
+        pool = Pool()  # the candidates (draft-vocabulary ids), filled by expand_topk_steps
 
         def expand_call(frontier: list[int]) -> HeadCall:
             feats, depth = [], []
@@ -137,20 +130,18 @@ class EagleDrafter:
             bias = torch.zeros(1, 1, f, base + A + f, dtype=res.h.dtype)
             hidden = torch.full((f, A + f), True)
             for j, c in enumerate(frontier):
-                par = cand_parents[c]
+                par = pool.parents[c]
                 feats.append(h_last if par == -1 else outs[par])
-                path = path_to(cand_parents, c)  # c's speculative ancestors, then c itself
+                path = path_to(pool.parents, c)  # c's speculative ancestors, then c itself
                 hidden[j, A + j] = False
                 hidden[j, [slot[a] for a in path[:-1]]] = False
                 depth.append(len(path))
             bias[0, 0, :, base:].masked_fill_(hidden, float("-inf"))
-            toks = torch.tensor([cand_tokens[c] for c in frontier])
+            toks = head.to_target(torch.tensor([pool.tokens[c] for c in frontier]))
             return self._call(torch.stack(feats), False, toks, torch.tensor(depth) + base - 1, self._past(base + A),
                               bias, slice(None))
 
-        first = res.logp[0]
-        children(first.unsqueeze(0), [-1])
-        steps = expand_topk_steps(first, self.top_k, self.depth, gate, keep)
+        steps = expand_topk_steps(res.logp[0], self.top_k, self.depth, gate, keep, pool)
         logp = None
         while True:
             try:
@@ -163,10 +154,9 @@ class EagleDrafter:
             self._write(base + A, out.k, out.v)
             for j, c in enumerate(frontier):
                 slot[c], outs[c] = A + j, out.h[j]
-            children(out.logp, frontier)
             logp = out.logp
         # expand_topk saw draft-vocabulary ids; the tree holds target ids.
-        return replace(cands, tokens=cand_tokens[: len(cands.tokens)])
+        return replace(cands, tokens=head.to_target(torch.tensor(cands.tokens)).tolist())
 
     def observe(self, tree, logits, verdict, hidden=None) -> None:
         feats = self._features(hidden, torch.tensor(verdict.accepted))

@@ -149,6 +149,11 @@ class Eagle3Head(nn.Module):
         self.t2d.zero_()
         self.t2d[ids] = True
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype its layers compute in (read off a norm: prepacked linear layers have no ``weight``)."""
+        return self.norm.weight.dtype
+
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
