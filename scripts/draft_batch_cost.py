@@ -68,18 +68,25 @@ def one_cell(engine: Engine, method: str, prompts: list[str], batch: int, batche
         engine.batch_drafts, EagleDrafter.cap_frontier = True, True
 
 
-# A plain-head cell asks for its drafter with this option (the default's value): another prototype, whose head is
-# loaded with packing switched off (plain_head_prototype)
+# A plain-head cell asks for its drafter with this option (the default's value) on top of its own: another
+# prototype, whose head is loaded with packing switched off (plain_head_prototype)
 PLAIN_HEAD = {"top_k": 10}
 
 
-def plain_head_prototype(engine: Engine) -> None:
-    """Builds the EAGLE prototype the plain-head cells use, its head loaded without prepacked layers."""
+def plain_head_prototype(engine: Engine, opts: dict) -> None:
+    """Builds the EAGLE prototype a plain-head cell with options ``opts`` uses, its head loaded without
+    prepacked layers."""
+    if "top_k" in opts:
+        raise SystemExit("error: --plain-head marks its cells with top_k=10; run it without a top_k option")
+    before = os.environ.get("SPECGRAFT_PREPACK")
     os.environ["SPECGRAFT_PREPACK"] = "0"
     try:
-        engine.drafter("eagle", **PLAIN_HEAD)
+        engine.drafter("eagle", **opts, **PLAIN_HEAD)
     finally:
-        os.environ.pop("SPECGRAFT_PREPACK")
+        if before is None:
+            os.environ.pop("SPECGRAFT_PREPACK")
+        else:
+            os.environ["SPECGRAFT_PREPACK"] = before
 
 
 def cell_steps(engine: Engine, method: str, prompts: list[str], batch: int, budget: int, max_new_tokens: int,
@@ -138,8 +145,11 @@ def main() -> None:
     if args.plain_head:
         cells += [(m, b, f"{mode} plain-head") for m, b, mode in cells
                   if specs[m][0] == "eagle" and not mode.endswith("full-frontier")]
-        plain_head_prototype(engine)
-    warm = list(specs.values()) + ([("eagle", PLAIN_HEAD)] if args.plain_head else [])
+        for method, opts in specs.values():
+            if method == "eagle":
+                plain_head_prototype(engine, opts)
+    warm = list(specs.values()) + ([("eagle", {**opts, **PLAIN_HEAD}) for method, opts in specs.values()
+                                     if method == "eagle"] if args.plain_head else [])
     for method, opts in warm:  # warm-up outside the set
         for p in (WARMUP_PROMPT,) * 2:
             engine.add_request(p, method, max_new_tokens=16, budget=args.budget, **opts)
