@@ -29,6 +29,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 from specgraft.eagle.batch import HeadRunner
@@ -77,7 +78,8 @@ def plain_head_prototype(engine: Engine, opts: dict) -> None:
     """Builds the EAGLE prototype a plain-head cell with options ``opts`` uses, its head loaded without
     prepacked layers."""
     if "top_k" in opts:
-        raise SystemExit("error: --plain-head marks its cells with top_k=10; run it without a top_k option")
+        print("error: --plain-head marks its cells with top_k=10; run it without a top_k option", file=sys.stderr)
+        raise SystemExit(2)
     before = os.environ.get("SPECGRAFT_PREPACK")
     os.environ["SPECGRAFT_PREPACK"] = "0"
     try:
