@@ -10,6 +10,7 @@ fixed prefix, prefill time against prompt length, peak resident memory, and wher
     python scripts/backend_costs.py llama-widths                      # llama.cpp: the GGUF, its gguf-q8 variant,
                                                                       # and the hidden-state tap, interleaved
     python scripts/backend_costs.py packed-ab --dtype float32          # plain vs prepacked layers, interleaved
+    python scripts/backend_costs.py dtype-ab                          # fp32 vs bf16 as loaded here (--dtype auto)
 
 Each prints one JSON line (and a table on stderr). Timings are medians of ``--reps`` after one warm-up; the
 prefix and prompts are token ids of a fixed text (no evaluation prompt).
@@ -203,6 +204,26 @@ def packed_ab(args) -> dict:
             "reps": args.reps, "layers_packed": swapped, "ms": res}
 
 
+def dtype_ab(args) -> dict:
+    """What ``--dtype auto`` chooses between: the model in fp32 and in bf16, each as the engine loads it here
+    (prepacked where oneDNN packs that dtype on this CPU, plain otherwise), interleaved in one process."""
+    from specgraft.backends import load_transformers
+    from specgraft.backends.packed import packed_path
+    from specgraft.core.backend import TargetBackend
+    from specgraft.models import resolve_dtype
+
+    arms, packed = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        model, tok, _ = load_transformers(args.model, dtype, None, "cpu")
+        arms[dtype] = (TargetBackend(model), ())
+        packed[dtype] = packed_path(getattr(torch, dtype))
+    res = interleaved(arms, tok(TEXT).input_ids[: args.prefix], args)
+    for a, per in res.items():
+        print(f"{a:10s} packed={packed[a]!s:5s} " + " ".join(f"{n}:{ms}" for n, ms in per.items()), file=sys.stderr)
+    return {"what": "dtype_ab_ms", "model": args.model, "prefix": args.prefix, "reps": args.reps,
+            "packed": packed, "auto": resolve_dtype("auto"), "ms": res}
+
+
 def llama_widths(args) -> dict:
     """Verify cost by width on llama.cpp for several contexts measured in one process, interleaved with the
     order rotated each repetition: the GGUF as it is (without and with its hidden-state tap, reading the
@@ -231,7 +252,8 @@ def llama_widths(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=("verify", "prefill", "memory", "profile", "floor", "llama-widths", "packed-ab"))
+    p.add_argument("what", choices=("verify", "prefill", "memory", "profile", "floor", "llama-widths", "packed-ab",
+                                    "dtype-ab"))
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
     p.add_argument("--backend", default="transformers")
     p.add_argument("--dtype", default="bfloat16")
@@ -243,7 +265,8 @@ def main() -> None:
     p.add_argument("--flash-attn", type=int, default=None)
     args = p.parse_args()
     print(json.dumps({"verify": verify, "prefill": prefill, "memory": memory, "profile": profile,
-                      "floor": floor, "packed-ab": packed_ab, "llama-widths": llama_widths}[args.what](args)))
+                      "floor": floor, "packed-ab": packed_ab, "dtype-ab": dtype_ab,
+                      "llama-widths": llama_widths}[args.what](args)))
 
 
 if __name__ == "__main__":

@@ -37,3 +37,32 @@ def test_cache_root_env(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECGRAFT_CACHE", str(tmp_path))
     assert models.cache_root() == tmp_path
     assert models.cache_root(tmp_path / "x") == tmp_path / "x"
+
+
+@pytest.mark.parametrize("has_bf16_path", [True, False])
+def test_auto_dtype_is_bf16_only_where_the_cpu_packs_it(monkeypatch, has_bf16_path):
+    from specgraft.backends import packed
+
+    monkeypatch.setattr(packed, "bf16_path", lambda: has_bf16_path)
+    assert models.resolve_dtype("auto", "cpu") == ("bfloat16" if has_bf16_path else "float32")
+    for explicit in ("float32", "bfloat16", "int4", "gguf-q8"):
+        assert models.resolve_dtype(explicit, "cpu") == explicit
+
+
+def test_auto_dtype_names_the_real_path_and_loads_it():
+    import torch
+
+    from specgraft.backends.packed import bf16_path
+
+    want = "bfloat16" if bf16_path() else "float32"
+    assert models.resolve_dtype("auto") == want
+    model, _ = models.load("smollm2-135m", "auto")
+    assert next(model.parameters()).dtype == getattr(torch, want)
+
+
+def test_auto_dtype_on_a_missing_gpu_is_one_clear_error(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SpecgraftError, match="no CUDA GPU"):
+        models.resolve_dtype("auto", "cuda")

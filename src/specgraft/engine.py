@@ -29,7 +29,7 @@ from .core.stats import Stats
 from .core.tree import Tree
 from .errors import SpecgraftError
 from .lossy.rules import Rule, parse_rule
-from .models import resolve_device
+from .models import resolve_device, resolve_dtype
 from .outputs import _LABEL, TOKEN_SOURCES, Generation, RequestOutput, Stream  # noqa: F401 -- re-exported
 from .reference import assistant, reference_stream
 from .registry import DEFAULTS, REFERENCES, check_lossy, check_options, make_drafter
@@ -52,6 +52,7 @@ class Engine:
         ``device`` (transformers): cpu, cuda or auto; the target and a draft model run there, the drafters'
         bookkeeping, EAGLE heads and verification on the CPU."""
         device = resolve_device(device)  # a bad device fails before any model loads
+        dtype = resolve_dtype(dtype, device)  # "auto": this machine's fast dtype, known before any curve or cache key
         if backend == AUTO:  # the backend and weights predicted fastest here (backend_choice.py)
             choice, opened = choose_backend(model, dtype, cache_dir, device)
             self._setup(*opened, model)

@@ -70,9 +70,9 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise SpecgraftError(f"unknown dtype '{dtype}'; choose one of: float32, bfloat16, float16 (or int4: a registry "
-                             "model's own GGUF 4-bit weights, transformers on the CPU; gguf-q8: the GGUF's variant "
-                             "for --backend llamacpp)")
+        raise SpecgraftError(f"unknown dtype '{dtype}'; choose one of: auto, float32, bfloat16, float16 (or int4: a "
+                             "registry model's own GGUF 4-bit weights, transformers on the CPU; gguf-q8: the GGUF's "
+                             "variant for --backend llamacpp)")
     return DTYPES[dtype]
 
 
@@ -170,12 +170,29 @@ def resolve_device(device: str = "cpu") -> str:
     raise SpecgraftError(f"unknown device '{device}'; choose cpu, cuda or auto")
 
 
+AUTO_DTYPE = "auto"  # --dtype auto: this device's fast dtype (resolve_dtype)
+
+
+def resolve_dtype(dtype: str, device: str = "cpu") -> str:
+    """``auto`` -> the dtype a step is fastest in here; any other value unchanged. On a CPU, bf16 only where
+    oneDNN has a packed bf16 path (AVX-512 BF16, AMX, AVX-NE-CONVERT): without one bf16 arithmetic is emulated
+    and costs more than the packed fp32 step (docs/backends.md, "--dtype auto"), so fp32 there. On a GPU, bf16
+    where it computes in bf16, else fp16. What it picks is what records and cost-curve keys name."""
+    if dtype != AUTO_DTYPE:
+        return dtype
+    if resolve_device(device).startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    from .backends.packed import bf16_path  # a leaf module: asks oneDNN, imports nothing of ours
+
+    return "bfloat16" if bf16_path() else "float32"
+
+
 def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
          cache_dir: str | os.PathLike | None = None, device: str = "cpu"):
     """Return ``(model, tokenizer)`` in the requested dtype, on ``device``, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch_dtype = parse_dtype(dtype)
+    torch_dtype = parse_dtype(resolve_dtype(dtype, device) if isinstance(dtype, str) else dtype)
     path = resolve(name_or_path, cache_dir)
     try:
         tok = AutoTokenizer.from_pretrained(path)

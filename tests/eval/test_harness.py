@@ -4,7 +4,7 @@ import pytest
 
 from specgraft.env import amx_state, cpu_id
 from specgraft.errors import SpecgraftError
-from specgraft.eval.harness import BenchConfig, expand_methods, parse_method, read_records, run_harness
+from specgraft.eval.harness import BenchConfig, MethodSpec, expand_methods, parse_method, read_records, run_harness
 from specgraft.eval.report import load, markdown, plots
 
 RECORD_FIELDS = {"schema", "dataset", "prompt_id", "category", "turn", "n_turns", "seed", "label", "method",
@@ -187,3 +187,13 @@ def test_batched_groups_equal_the_sequential_run_and_resume(tmp_path, tiny_engin
     bad.write_text("batch = 0\n")
     with pytest.raises(SpecgraftError, match="batch must be"):
         BenchConfig.from_toml(str(bad))
+
+
+def test_auto_dtype_and_its_resolved_name_share_one_engine(monkeypatch):
+    from specgraft.backends import packed
+
+    monkeypatch.setattr(packed, "bf16_path", lambda: False)  # a CPU without packed bf16: auto is float32
+    cfg = BenchConfig(dtype="auto")
+    keys = {MethodSpec("a", "ar").engine_key(cfg), MethodSpec("b", "ar", dtype="float32").engine_key(cfg)}
+    assert keys == {("transformers", "float32")}
+    assert MethodSpec("c", "ar", dtype="bfloat16").engine_key(cfg) == ("transformers", "bfloat16")

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..errors import SpecgraftError
-from ..models import DEFAULT_MODEL
+from ..models import DEFAULT_MODEL, resolve_dtype
 from .app import app, quiet_transformers
 
 
@@ -70,7 +70,8 @@ def bench(
     expand_methods(cfg.methods)  # fail on bad methods before loading a model
     if cfg.max_new_tokens < 1:
         raise SpecgraftError("--max-new-tokens must be >= 1")
-    out = out or f"runs/bench-{cfg.model.replace('/', '_')}-{cfg.dtype if cfg.backend == 'transformers' else cfg.backend}.jsonl"
+    weights = resolve_dtype(cfg.dtype, cfg.device) if cfg.backend == "transformers" else cfg.backend
+    out = out or f"runs/bench-{cfg.model.replace('/', '_')}-{weights}.jsonl"
     quiet_transformers()
     with Progress() as bar:
         task = bar.add_task("bench", total=None)
@@ -168,7 +169,7 @@ def _study_text(records: list[str], distortion: str | None) -> str:
 def batch_cmd(
     methods: str = typer.Option("ar;graft:budget=7", help="';'-separated methods with options (as in bench)."),
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
-    dtype: str = typer.Option("bfloat16"),
+    dtype: str = typer.Option("auto", help="auto (this machine's fast dtype), float32, bfloat16 or int4."),
     backend: str = typer.Option("transformers", help="transformers or llamacpp (the GGUF on llama.cpp)."),
     device: str = typer.Option("cpu", help="cpu, cuda or auto (transformers backend)."),
     prompts: str = typer.Option("humaneval", help="Dataset or .jsonl/.txt file (first turns)."),

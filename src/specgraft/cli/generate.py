@@ -11,7 +11,7 @@ import typer
 from ..errors import SpecgraftError
 from ..models import DEFAULT_MODEL, REGISTRY
 from ..registry import METHODS, REFERENCES
-from .app import DEFAULTS_HELP, app, quiet_transformers
+from .app import DEFAULTS_HELP, DTYPE_HELP, app, quiet_transformers
 
 
 def _method_options(method: str, pld_max_ngram, recycle_k, recycle_scope, draft_model, draft_shape, draft_top_k,
@@ -44,7 +44,7 @@ def generate(
                                "lossy:RULE:PARAM with RULE one of speccascade, typical, cos, lenience, interp, cap, "
                                "combined (docs/lossy.md); needs --temperature > 0."),
     max_new_tokens: int = typer.Option(128, help="Maximum number of generated tokens."),
-    dtype: str = typer.Option("bfloat16", help="float32 (exact reference), bfloat16 (2-3x faster on CPU) or int4 (the GGUF's own 4-bit weights, CPU); on --backend llamacpp: gguf-q8 (a prepared copy of the GGUF whose tensors all take llama.cpp's batched kernels, re-quantised by llama.cpp; other values: the file as it is)."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
     budget: Optional[str] = typer.Option(None, help="Tree node budget (non-root nodes), or 'auto' (eagle/graft/"
                                          "prune: maximise expected tokens/s on this machine); default per method."),
     opt: list[str] = typer.Option([], help="Any method option as KEY=VALUE (repeatable), e.g. --opt drafter=draft-tree "

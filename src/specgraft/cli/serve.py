@@ -9,7 +9,7 @@ import typer
 
 from ..errors import SpecgraftError
 from ..models import DEFAULT_MODEL, REGISTRY
-from .app import app, quiet_transformers
+from .app import DTYPE_HELP, app, quiet_transformers
 
 
 @app.command()
@@ -19,7 +19,7 @@ def serve(
                                "field overrides it); auto = the fastest lossless method on this machine."),
     budget: Optional[str] = typer.Option(None, help="Default tree budget (or 'auto')."),
     opt: list[str] = typer.Option([], help="Default method option KEY=VALUE (repeatable)."),
-    dtype: str = typer.Option("bfloat16", help="float32 (exact reference), bfloat16 (2-3x faster on CPU) or int4 (the GGUF's own 4-bit weights, CPU); on --backend llamacpp: gguf-q8 (a prepared copy of the GGUF whose tensors all take llama.cpp's batched kernels, re-quantised by llama.cpp; other values: the file as it is)."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
     backend: str = typer.Option("transformers", help="transformers, llamacpp (the GGUF on llama.cpp; no EAGLE) or "
                                 "auto (the backend and weights predicted fastest here for one request at a time)."),
     device: str = typer.Option("cpu", help="cpu, cuda or auto (transformers backend): where the target and a draft "

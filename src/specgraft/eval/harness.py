@@ -26,6 +26,7 @@ from ..engine import Engine
 from ..env import environment
 from ..errors import SpecgraftError
 from ..lossy.rules import parse_rule
+from ..models import resolve_dtype
 from ..registry import LOOP_KEYS, check_lossy, check_options
 from .datasets import Item, load_dataset
 from .quality import score
@@ -44,7 +45,8 @@ class MethodSpec:
     dtype: str = ""  # and its weights when not the config's dtype
 
     def engine_key(self, cfg: "BenchConfig") -> tuple[str, str]:
-        return (self.backend or cfg.backend, self.dtype or cfg.dtype)
+        """(backend, dtype) with ``auto`` resolved: two spellings of one engine's weights share it."""
+        return (self.backend or cfg.backend, resolve_dtype(self.dtype or cfg.dtype, cfg.device))
 
     def params(self, base: SamplingParams) -> SamplingParams:
         return replace(base, **self.sampling) if self.sampling else base
@@ -69,7 +71,7 @@ WARMUP_PROMPT = "List four uses of a paperclip, one per line, then say which is 
 @dataclass
 class BenchConfig:
     model: str = "smollm2-135m"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # this machine's fast dtype (models.resolve_dtype); records name the one that ran
     backend: str = "transformers"  # or "llamacpp": the GGUF on llama.cpp (dtype is then the GGUF's own)
     device: str = "cpu"  # transformers backend: cpu, cuda or auto
     max_new_tokens: int = 128
@@ -347,7 +349,7 @@ def run_harness(cfg: BenchConfig, out_path: str, progress=None, log=print, engin
     complete, dropped = repair_for_resume(out_path) if Path(out_path).exists() else (set(), 0)
     if complete or dropped:
         log(f"resume: {len(complete)} conversations already recorded; {dropped} incomplete line(s) dropped")
-    engines = {(cfg.backend, cfg.dtype): engine} if engine else {}
+    engines = {(cfg.backend, resolve_dtype(cfg.dtype, cfg.device)): engine} if engine else {}
     for key in dict.fromkeys(spec.engine_key(cfg) for spec in specs):  # one engine per (backend, weights)
         if key not in engines:
             engines[key] = Engine(cfg.model, key[1], backend=key[0], device=cfg.device)

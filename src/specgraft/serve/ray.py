@@ -36,7 +36,7 @@ INSTALL = "Ray Serve is not installed; pip install 'specgraft[ray]'"
 
 # Defaults of `specgraft serve` for build_server's keyword parameters that have none in its signature (a config may
 # name only some keys; the accepted keys are exactly build_server's parameters, read from its signature).
-CONFIG_DEFAULTS: dict[str, Any] = dict(model="smollm2-135m", dtype="bfloat16", method="auto", budget=None, opts={},
+CONFIG_DEFAULTS: dict[str, Any] = dict(model="smollm2-135m", dtype="auto", method="auto", budget=None, opts={},
                                        name=None, max_num_seqs=8, max_queue=128, timeout=600.0, max_tokens=256)
 
 
