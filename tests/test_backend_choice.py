@@ -12,7 +12,6 @@ import pytest
 from specgraft import backend_choice, costs
 from specgraft.backend_choice import BackendChoice, Option, choose_backend, options, pick
 from specgraft.errors import SpecgraftError
-from specgraft.models import resolve_dtype
 
 
 def row(label, weights, tps, method="ar", budget=0, options=None):
@@ -128,7 +127,7 @@ def test_generate_backend_auto_measures_says_and_records_its_choice(own_cache):
     fastest = max(choice.table, key=lambda x: x["tokens_per_s"])
     assert (choice.backend, choice.weights) == (fastest["backend"], fastest["weights"])
     assert record["config"]["backend"] == choice.backend and record["config"]["dtype"] == choice.weights
-    assert {x["weights"] for x in choice.table} == {"gguf", "int4", resolve_dtype("auto")}  # the default dtype
+    assert {x["weights"] for x in choice.table} == {"gguf", "int4", "bfloat16"}
     assert all(Path(x["curve"]).exists() for x in choice.table)  # measured and cached per machine
     assert f"backend auto: {choice.describe()} — predicted" in r.stderr
     assert len(record["token_ids"]) >= 1

@@ -174,10 +174,11 @@ AUTO_DTYPE = "auto"  # --dtype auto: this device's fast dtype (resolve_dtype)
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:
-    """``auto`` -> the dtype a step is fastest in here; any other value unchanged. On a CPU, bf16 only where
-    oneDNN has a packed bf16 path (AVX-512 BF16, AMX, AVX-NE-CONVERT): without one bf16 arithmetic is emulated
-    and costs more than the packed fp32 step (docs/backends.md, "--dtype auto"), so fp32 there. On a GPU, bf16
-    where it computes in bf16, else fp16. What it picks is what records and cost-curve keys name."""
+    """``auto`` -> the dtype whose speculative step (trees, batches: 3+ tokens a forward) is cheapest here; any
+    other value unchanged. On a CPU, bf16 where oneDNN has a packed bf16 path (AVX-512 BF16, AMX,
+    AVX-NE-CONVERT). Without one, bf16 arithmetic is emulated: cheaper than packed fp32 at 1-2 tokens (half the
+    bytes), 1.1-5x dearer from 4 (docs/backends.md, "--dtype auto"), so fp32 there. On a GPU, bf16 where it
+    computes in bf16, else fp16. What it picks is what records and cost-curve keys name."""
     if dtype != AUTO_DTYPE:
         return dtype
     if resolve_device(device).startswith("cuda"):

@@ -169,7 +169,8 @@ def _study_text(records: list[str], distortion: str | None) -> str:
 def batch_cmd(
     methods: str = typer.Option("ar;graft:budget=7", help="';'-separated methods with options (as in bench)."),
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
-    dtype: str = typer.Option("auto", help="auto (this machine's fast dtype), float32, bfloat16 or int4."),
+    dtype: str = typer.Option("bfloat16", help="bfloat16, float32, int4 or auto (float32 where the CPU has no packed "
+                              "bf16 path: batches are wide steps)."),
     backend: str = typer.Option("transformers", help="transformers or llamacpp (the GGUF on llama.cpp)."),
     device: str = typer.Option("cpu", help="cpu, cuda or auto (transformers backend)."),
     prompts: str = typer.Option("humaneval", help="Dataset or .jsonl/.txt file (first turns)."),

@@ -44,7 +44,7 @@ def generate(
                                "lossy:RULE:PARAM with RULE one of speccascade, typical, cos, lenience, interp, cap, "
                                "combined (docs/lossy.md); needs --temperature > 0."),
     max_new_tokens: int = typer.Option(128, help="Maximum number of generated tokens."),
-    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    dtype: str = typer.Option("bfloat16", help=DTYPE_HELP),
     budget: Optional[str] = typer.Option(None, help="Tree node budget (non-root nodes), or 'auto' (eagle/graft/"
                                          "prune: maximise expected tokens/s on this machine); default per method."),
     opt: list[str] = typer.Option([], help="Any method option as KEY=VALUE (repeatable), e.g. --opt drafter=draft-tree "

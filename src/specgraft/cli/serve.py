@@ -19,7 +19,7 @@ def serve(
                                "field overrides it); auto = the fastest lossless method on this machine."),
     budget: Optional[str] = typer.Option(None, help="Default tree budget (or 'auto')."),
     opt: list[str] = typer.Option([], help="Default method option KEY=VALUE (repeatable)."),
-    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP + " Default auto: a server's steps are batches."),
     backend: str = typer.Option("transformers", help="transformers, llamacpp (the GGUF on llama.cpp; no EAGLE) or "
                                 "auto (the backend and weights predicted fastest here for one request at a time)."),
     device: str = typer.Option("cpu", help="cpu, cuda or auto (transformers backend): where the target and a draft "

@@ -71,7 +71,7 @@ WARMUP_PROMPT = "List four uses of a paperclip, one per line, then say which is 
 @dataclass
 class BenchConfig:
     model: str = "smollm2-135m"
-    dtype: str = "auto"  # this machine's fast dtype (models.resolve_dtype); records name the one that ran
+    dtype: str = "bfloat16"  # or "auto" (models.resolve_dtype); records name the dtype that ran
     backend: str = "transformers"  # or "llamacpp": the GGUF on llama.cpp (dtype is then the GGUF's own)
     device: str = "cpu"  # transformers backend: cpu, cuda or auto
     max_new_tokens: int = 128
