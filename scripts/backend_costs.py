@@ -11,6 +11,7 @@ fixed prefix, prefill time against prompt length, peak resident memory, and wher
                                                                       # and the hidden-state tap, interleaved
     python scripts/backend_costs.py packed-ab --dtype float32          # plain vs prepacked layers, interleaved
     python scripts/backend_costs.py dtype-ab                          # fp32 vs bf16 as loaded here (--dtype auto)
+    python scripts/backend_costs.py hint-ab --dtype float32 --hints 1 16  # packed layouts for other row counts
 
 Each prints one JSON line (and a table on stderr). Timings are medians of ``--reps`` after one warm-up; the
 prefix and prompts are token ids of a fixed text (no evaluation prompt).
@@ -204,24 +205,48 @@ def packed_ab(args) -> dict:
             "reps": args.reps, "layers_packed": swapped, "ms": res}
 
 
+def hint_ab(args) -> dict:
+    """The same prepacked weights laid out for different row counts (oneDNN's batch-size hint to the reorder,
+    ``packed.BATCH_HINT``), interleaved in one process (one copy of the weights per hint)."""
+    from specgraft.backends import load_transformers
+    from specgraft.backends.packed import prepack
+    from specgraft.core.backend import TargetBackend
+
+    os.environ["SPECGRAFT_PREPACK"] = "0"
+    arms, swapped = {}, 0
+    for hint in args.hints:
+        model, tok, _ = load_transformers(args.model, args.dtype, None, "cpu")
+        os.environ["SPECGRAFT_PREPACK"] = "1"
+        swapped = len(prepack(model, hint))
+        os.environ["SPECGRAFT_PREPACK"] = "0"
+        if not swapped:
+            sys.exit(f"error: no {args.dtype} layer is packed on this CPU: every hint would measure the same layers")
+        arms[f"hint {hint}"] = (TargetBackend(model), ())
+    os.environ["SPECGRAFT_PREPACK"] = "1"
+    res = interleaved(arms, tok(TEXT).input_ids[: args.prefix], args)
+    for a, per in res.items():
+        print(f"{a:10s} " + " ".join(f"{n}:{ms}" for n, ms in per.items()), file=sys.stderr)
+    return {"what": "hint_ab_ms", "model": args.model, "dtype": args.dtype, "prefix": args.prefix,
+            "reps": args.reps, "layers_packed": swapped, "ms": res}
+
+
 def dtype_ab(args) -> dict:
     """What ``--dtype auto`` chooses between: the model in fp32 and in bf16, each as the engine loads it here
     (prepacked where oneDNN packs that dtype on this CPU, plain otherwise), interleaved in one process."""
     from specgraft.backends import load_transformers
-    from specgraft.backends.packed import packed_path
-    from specgraft.core.backend import TargetBackend
+    from specgraft.core.backend import TargetBackend, packed_layers
     from specgraft.models import resolve_dtype
 
     arms, packed = {}, {}
     for dtype in ("float32", "bfloat16"):
         model, tok, _ = load_transformers(args.model, dtype, None, "cpu")
         arms[dtype] = (TargetBackend(model), ())
-        packed[dtype] = packed_path(getattr(torch, dtype))
+        packed[dtype] = packed_layers(model)  # what was swapped (0 under SPECGRAFT_PREPACK=0)
     res = interleaved(arms, tok(TEXT).input_ids[: args.prefix], args)
     for a, per in res.items():
-        print(f"{a:10s} packed={packed[a]!s:5s} " + " ".join(f"{n}:{ms}" for n, ms in per.items()), file=sys.stderr)
+        print(f"{a:10s} packed={packed[a]:3d} " + " ".join(f"{n}:{ms}" for n, ms in per.items()), file=sys.stderr)
     return {"what": "dtype_ab_ms", "model": args.model, "prefix": args.prefix, "reps": args.reps,
-            "packed": packed, "auto": resolve_dtype("auto"), "ms": res}
+            "layers_packed": packed, "auto": resolve_dtype("auto"), "ms": res}
 
 
 def llama_widths(args) -> dict:
@@ -253,7 +278,7 @@ def llama_widths(args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("what", choices=("verify", "prefill", "memory", "profile", "floor", "llama-widths", "packed-ab",
-                                    "dtype-ab"))
+                                    "dtype-ab", "hint-ab"))
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
     p.add_argument("--backend", default="transformers")
     p.add_argument("--dtype", default="bfloat16")
@@ -261,11 +286,12 @@ def main() -> None:
     p.add_argument("--n", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])
     p.add_argument("--lengths", type=int, nargs="+", default=[32, 128, 512, 1024, 2048])
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--hints", type=int, nargs="+", default=[1, 16], help="hint-ab: the row counts to lay out for")
     p.add_argument("--ubatch", type=int, default=0)
     p.add_argument("--flash-attn", type=int, default=None)
     args = p.parse_args()
     print(json.dumps({"verify": verify, "prefill": prefill, "memory": memory, "profile": profile,
-                      "floor": floor, "packed-ab": packed_ab, "dtype-ab": dtype_ab,
+                      "floor": floor, "packed-ab": packed_ab, "dtype-ab": dtype_ab, "hint-ab": hint_ab,
                       "llama-widths": llama_widths}[args.what](args)))
 
 

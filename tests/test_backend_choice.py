@@ -43,6 +43,17 @@ def test_candidates_are_the_backends_that_can_run_the_model(model, dtype, device
     assert options(model, dtype, device, llama) == [Option(b, d) for b, d in expect]
 
 
+@pytest.mark.parametrize("has_bf16_path, dense", [(False, ["float32", "bfloat16"]), (True, ["bfloat16"])])
+def test_dtype_auto_scores_both_dense_dtypes_where_bf16_is_emulated(monkeypatch, has_bf16_path, dense):
+    """Without a packed bf16 path, fp32 is cheaper from 3-4 tokens a forward and bf16 at 1-2: both are scored."""
+    from specgraft import env
+
+    monkeypatch.setattr(env, "bf16_path", lambda: has_bf16_path)
+    got = options("smollm2-135m", "auto", "cpu", False)
+    assert got == [Option("transformers", "int4")] + [Option("transformers", d) for d in dense]
+    assert options("/some/hf-dir", "auto", "cpu", True) == [Option("transformers", d) for d in dense]
+
+
 def test_no_candidate_is_one_clear_error():
     with pytest.raises(SpecgraftError, match="no backend can run '/x.gguf' with --dtype bfloat16 on cuda"):
         options("/x.gguf", "bfloat16", "cuda", True)
@@ -65,7 +76,7 @@ def own_cache(tmp_path, monkeypatch, smollm2_engine):
 @pytest.fixture
 def fake_curves(monkeypatch):
     """Curves by weights format, written to the real cache files as a measurement would; counts measurements."""
-    speeds = {"gguf": 0.002, "int4": 0.020, "bfloat16": 0.040}  # far apart: no method closes the gaps
+    speeds = {"gguf": 0.002, "int4": 0.020, "bfloat16": 0.040, "float32": 0.001}  # far apart: no method closes them
     measured = []
 
     def measure(backend, vocab_size, widths=costs.WIDTHS, prefix=256, reps=3):
@@ -97,6 +108,23 @@ def test_choice_follows_the_curves_is_cached_and_recomputed_when_one_changes(own
     flipped, (backend, _) = choose_backend("smollm2-135m", "bfloat16")
     assert (flipped.backend, flipped.dtype, flipped.weights) == ("transformers", "int4", "int4")
     assert backend.capabilities.weights == "int4" and len(measured) == 3  # the curves themselves were cached
+
+
+@pytest.mark.slow
+def test_engine_with_dtype_auto_scores_fp32_and_bf16_where_bf16_is_emulated(own_cache, fake_curves, monkeypatch):
+    from specgraft import Engine
+    from specgraft import env
+
+    monkeypatch.setattr(env, "bf16_path", lambda: False)
+    speeds, measured = fake_curves
+    engine = Engine("smollm2-135m", "auto", backend="auto")
+    assert sorted(measured) == ["bfloat16", "float32", "gguf", "int4"]
+    assert (engine.backend_choice.backend, engine.dtype) == ("transformers", "float32")  # its curve is cheapest
+    speeds["float32"] = 0.080  # now the dearest: bf16 is the cheaper dense dtype, llama.cpp the fastest overall
+    for curve in (own_cache / "latency").glob("*float32*"):
+        curve.unlink()
+    engine = Engine("smollm2-135m", "auto", backend="auto")
+    assert [r["weights"] for r in engine.backend_choice.table] == ["gguf", "int4", "bfloat16", "float32"]
 
 
 @pytest.mark.slow

@@ -41,18 +41,19 @@ def test_cache_root_env(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("has_bf16_path", [True, False])
 def test_auto_dtype_is_bf16_only_where_the_cpu_packs_it(monkeypatch, has_bf16_path):
-    from specgraft.backends import packed
+    from specgraft import env
 
-    monkeypatch.setattr(packed, "bf16_path", lambda: has_bf16_path)
+    monkeypatch.setattr(env, "bf16_path", lambda: has_bf16_path)
     assert models.resolve_dtype("auto", "cpu") == ("bfloat16" if has_bf16_path else "float32")
     for explicit in ("float32", "bfloat16", "int4", "gguf-q8"):
         assert models.resolve_dtype(explicit, "cpu") == explicit
 
 
+@pytest.mark.slow
 def test_auto_dtype_names_the_real_path_and_loads_it():
     import torch
 
-    from specgraft.backends.packed import bf16_path
+    from specgraft.env import bf16_path
 
     want = "bfloat16" if bf16_path() else "float32"
     assert models.resolve_dtype("auto") == want

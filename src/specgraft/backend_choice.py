@@ -4,7 +4,8 @@ The candidates all run the user's model file:
 
     llamacpp / gguf          the GGUF itself on llama.cpp (needs specgraft[llamacpp]; a registry model or a .gguf)
     transformers / int4      the GGUF's own 4-bit codes through PyTorch's int4 kernel (registry models, CPU)
-    transformers / --dtype   the dequantised model in the requested dtype (registry models, HF directories)
+    transformers / --dtype   the dequantised model in the requested dtype (registry models, HF directories);
+                             with --dtype auto on a CPU without packed bf16, both fp32 and bf16
 
 Each is scored by the tokens/s of its best lossless method, predicted by ``--method auto``'s model
 (``auto.decide``: the backend's measured cost curve, cached per machine, and the shipped calibrations), and the
@@ -29,7 +30,7 @@ from .core.backend import torch_runtime
 from .costs import backend_curve, backend_curve_path, file_stamp, machine_key, write_json
 from .errors import SpecgraftError
 from .graft.calibration import Calibration
-from .models import REGISTRY, cache_root
+from .models import AUTO_DTYPE, REGISTRY, cache_root, resolve_dtype
 
 AUTO = "auto"
 VERSION = 1  # bump when the scoring changes: cached decisions of older versions are recomputed
@@ -67,10 +68,19 @@ def options(model: str, dtype: str, device: str, llama_cpp_installed: bool | Non
     if device == "cpu" and model in REGISTRY:
         out.append(Option("transformers", INT4))
     if not gguf_file and dtype != INT4:
-        out.append(Option("transformers", dtype))
+        out += [Option("transformers", d) for d in transformers_dtypes(dtype, device)]
     if not out:
         raise SpecgraftError(f"--backend auto: no backend can run '{model}' with --dtype {dtype} on {device}")
     return out
+
+
+def transformers_dtypes(dtype: str, device: str) -> list[str]:
+    """The dense dtypes to score: ``--dtype auto`` on a CPU without a packed bf16 path scores both fp32 (cheaper
+    from 3-4 tokens a forward there) and emulated bf16 (cheaper at 1-2: half the bytes), since which one wins
+    depends on the method's widths (docs/backends.md, "--dtype auto"); otherwise the one dtype it resolves to."""
+    if dtype == AUTO_DTYPE and device == "cpu" and resolve_dtype(dtype, device) == "float32":
+        return ["float32", "bfloat16"]
+    return [resolve_dtype(dtype, device)]
 
 
 def score(model: str, backend) -> dict:

@@ -52,12 +52,12 @@ class Engine:
         ``device`` (transformers): cpu, cuda or auto; the target and a draft model run there, the drafters'
         bookkeeping, EAGLE heads and verification on the CPU."""
         device = resolve_device(device)  # a bad device fails before any model loads
-        dtype = resolve_dtype(dtype, device)  # "auto": this machine's fast dtype, known before any curve or cache key
-        if backend == AUTO:  # the backend and weights predicted fastest here (backend_choice.py)
+        if backend == AUTO:  # the backend and weights predicted fastest here (backend_choice.py scores dtype auto)
             choice, opened = choose_backend(model, dtype, cache_dir, device)
             self._setup(*opened, model)
             self.backend_choice = choice
             return
+        dtype = resolve_dtype(dtype, device)  # "auto": this machine's dtype, known before any curve or cache key
         self._setup(*open_backend(backend, model, dtype, cache_dir, device), model)
 
     @classmethod
@@ -468,7 +468,7 @@ _ENGINES: dict[tuple, Engine] = {}
 def generate(prompt: str, model: str = "smollm2-135m", method: str = "ar", dtype: str = "float32",
              backend: str = "transformers", device: str = "cpu", **kwargs) -> Generation:
     """One-call API; the engine (model load) is cached per ``(model, dtype, backend, device)`` in the process."""
-    key = (model, dtype, backend, device)
+    key = (model, dtype if backend == AUTO else resolve_dtype(dtype, resolve_device(device)), backend, device)
     if key not in _ENGINES:
         _ENGINES[key] = Engine(model, dtype, backend=backend, device=device)
     return _ENGINES[key].generate(prompt, method, **kwargs)

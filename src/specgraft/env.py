@@ -83,6 +83,27 @@ def vector_isa() -> str:
     return platform.machine()
 
 
+@functools.cache
+def packed_path(dtype: torch.dtype) -> bool:
+    """Whether oneDNN reorders a ``dtype`` weight into its packed layout on this CPU, asked of PyTorch on a tiny
+    weight (what it decides by, rather than the CPU flags): bf16 needs AVX-512 (BW, VL, DQ), AMX or
+    AVX-NE-CONVERT, and on an AVX2-only CPU the reorder raises. False on a PyTorch without the oneDNN ops."""
+    mkldnn = torch.ops.mkldnn
+    if not torch.backends.mkldnn.is_available() or not hasattr(mkldnn, "_reorder_linear_weight"):
+        return False
+    try:
+        mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+def bf16_path() -> bool:
+    """oneDNN's packed bf16 path exists on this CPU (:func:`packed_path`); without it bf16 arithmetic is
+    emulated, and callers choosing a dtype for speed pick fp32 (``models.resolve_dtype``)."""
+    return packed_path(torch.bfloat16)
+
+
 def git(*args: str) -> str | None:
     try:
         return subprocess.run(["git", *args], capture_output=True, text=True, timeout=5,

@@ -174,18 +174,18 @@ AUTO_DTYPE = "auto"  # --dtype auto: this device's fast dtype (resolve_dtype)
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:
-    """``auto`` -> the dtype whose speculative step (trees, batches: 3+ tokens a forward) is cheapest here; any
-    other value unchanged. On a CPU, bf16 where oneDNN has a packed bf16 path (AVX-512 BF16, AMX,
-    AVX-NE-CONVERT). Without one, bf16 arithmetic is emulated: cheaper than packed fp32 at 1-2 tokens (half the
+    """``auto`` -> the dtype whose wide step (trees, batches: 3+ tokens a forward) is cheapest here; any other
+    value unchanged. On a CPU, bf16 where oneDNN packs bf16 weights (``env.bf16_path``: AVX-512 BW/VL/DQ, AMX,
+    AVX-NE-CONVERT). Without that, bf16 arithmetic is emulated: cheaper than packed fp32 at 1-2 tokens (half the
     bytes), 1.1-5x dearer from 4 (docs/backends.md, "--dtype auto"), so fp32 there. On a GPU, bf16 where it
     computes in bf16, else fp16. What it picks is what records and cost-curve keys name."""
     if dtype != AUTO_DTYPE:
         return dtype
     if resolve_device(device).startswith("cuda"):
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    from .backends.packed import bf16_path  # a leaf module: asks oneDNN, imports nothing of ours
+    from . import env  # a leaf (imports transformers for its versions: kept off this module's import)
 
-    return "bfloat16" if bf16_path() else "float32"
+    return "bfloat16" if env.bf16_path() else "float32"
 
 
 def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",

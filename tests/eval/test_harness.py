@@ -190,9 +190,9 @@ def test_batched_groups_equal_the_sequential_run_and_resume(tmp_path, tiny_engin
 
 
 def test_auto_dtype_and_its_resolved_name_share_one_engine(monkeypatch):
-    from specgraft.backends import packed
+    from specgraft import env
 
-    monkeypatch.setattr(packed, "bf16_path", lambda: False)  # a CPU without packed bf16: auto is float32
+    monkeypatch.setattr(env, "bf16_path", lambda: False)  # a CPU without packed bf16: auto is float32
     cfg = BenchConfig(dtype="auto")
     keys = {MethodSpec("a", "ar").engine_key(cfg), MethodSpec("b", "ar", dtype="float32").engine_key(cfg)}
     assert keys == {("transformers", "float32")}

@@ -17,9 +17,12 @@ _MODELS: dict[tuple, object] = {}  # loaded GGUF weights, shared by every contex
 
 GGUF = "gguf"  # llama.cpp on the model's GGUF as it is
 INT4 = "int4"  # --dtype int4: the GGUF's own 4-bit codes through PyTorch's int4 kernel (backends/int4.py)
+
+
 def load_transformers(name_or_path: str, dtype: str, cache_dir, device: str):
-    """``(hf_model, tokenizer, weights)``: ``dtype`` float32 / bfloat16 / float16, or ``int4`` (a registry model's
-    GGUF 4-bit tensors kept as codes, bf16 activations and other tensors; CPU only)."""
+    """``(hf_model, tokenizer, weights)``: ``dtype`` float32 / bfloat16 / float16 / auto (``models.resolve_dtype``),
+    or ``int4`` (a registry model's GGUF 4-bit tensors kept as codes, bf16 activations and other tensors; CPU
+    only)."""
     from ..models import REGISTRY, gguf_file, load, resolve_dtype
 
     dtype = resolve_dtype(dtype, device)

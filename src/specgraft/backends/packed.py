@@ -21,10 +21,11 @@ x86 CPU oneDNN supports. ``SPECGRAFT_PREPACK=0`` keeps the plain layers (for mea
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
+
+from ..env import bf16_path, packed_path  # noqa: F401 -- re-exported: what this CPU packs
 
 # What oneDNN is told of the row count when it picks a blocked layout: decode and tree verification run few rows
 # (1..64). The layout serves every row count; the hint only chooses among equally valid blockings.
@@ -42,34 +43,17 @@ def available(dtype: torch.dtype = torch.bfloat16) -> bool:
         hasattr(mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise")) and packed_path(dtype)
 
 
-@functools.cache
-def packed_path(dtype: torch.dtype) -> bool:
-    """Whether oneDNN reorders a ``dtype`` weight on this CPU, asked of PyTorch on a tiny weight (what it decides
-    by, rather than the CPU flags): bf16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and on an AVX2-only CPU
-    the reorder raises."""
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), BATCH_HINT)
-    except RuntimeError:
-        return False
-    return True
-
-
-def bf16_path() -> bool:
-    """oneDNN's packed bf16 path exists on this CPU (:func:`packed_path`); without it bf16 arithmetic is
-    emulated, and callers choosing a dtype for speed pick fp32."""
-    return packed_path(torch.bfloat16)
-
-
 class PackedLinear(torch.nn.Module):
     """``y = x @ W.T (+ b)`` on a bf16 or fp32 weight held in oneDNN's blocked layout (an opaque ``mkldnn``
     tensor); inputs are cast to the weight's dtype."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16,
+                 hint: int = BATCH_HINT):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = dtype
         dense = weight.detach().to(dtype).contiguous()
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(dense, BATCH_HINT), persistent=False)
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(dense, hint), persistent=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,17 +63,18 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def prepack(model: torch.nn.Module) -> list[str]:
+def prepack(model: torch.nn.Module, hint: int = BATCH_HINT) -> list[str]:
     """Swap every bf16 or fp32 ``nn.Linear`` of a CPU model whose dtype oneDNN packs here for a
     :class:`PackedLinear` (in place); the names swapped. A head tied to the embedding gets its own packed copy:
-    the embedding keeps its table for the gathers."""
+    the embedding keeps its table for the gathers. ``hint``: the row count the layout is chosen for
+    (``scripts/backend_costs.py hint-ab`` compares them)."""
     swapped = []
     for name, module in list(model.named_modules()):
         if type(module) is not torch.nn.Linear or module.weight.is_cuda or not available(module.weight.dtype):
             continue
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr,
-                PackedLinear(module.weight, module.bias, module.weight.dtype))
+                PackedLinear(module.weight, module.bias, module.weight.dtype, hint))
         swapped.append(name)
     config = getattr(model, "config", None)
     if swapped and getattr(config, "tie_word_embeddings", False):

@@ -16,11 +16,12 @@ from ..registry import DEFAULTS
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="Lossless speculative decoding with draft/retrieval trees.")
 
-DTYPE_HELP = ("bfloat16, float32 (the exact reference), auto (bfloat16 where the CPU has a packed bf16 path - "
-              "AVX-512 BF16 or AMX - else float32, whose packed step is the cheaper one from 3-4 tokens a forward "
-              "there: trees and batches; bfloat16 on a GPU that computes in it), or int4 (the GGUF's own 4-bit "
-              "weights, CPU); on --backend llamacpp: gguf-q8 (a prepared copy of the GGUF whose tensors all take "
-              "llama.cpp's batched kernels, re-quantised by llama.cpp; other values: the file as it is).")
+DTYPE_HELP = ("bfloat16, float32 (the exact reference), auto (bfloat16 where oneDNN packs bf16 weights on this CPU "
+              "- AVX-512 or AMX - else float32, whose packed step is the cheaper one from 3-4 tokens a forward "
+              "there: trees and batches; on a GPU bfloat16, or float16 without bf16; --backend auto scores both "
+              "CPU dtypes), or int4 (the GGUF's own 4-bit weights, CPU); on --backend llamacpp: gguf-q8 (a "
+              "prepared copy of the GGUF whose tensors all take llama.cpp's batched kernels, re-quantised by "
+              "llama.cpp; other values: the file as it is).")
 DEFAULTS_HELP = "; ".join(f"{m}: " + ", ".join(f"{k}={v}" for k, v in d.items()) for m, d in DEFAULTS.items())
 
 

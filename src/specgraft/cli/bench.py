@@ -19,7 +19,8 @@ def bench(
     prompts: Optional[str] = typer.Option(None, help="Dataset (mtbench, humaneval, mbpp, gsm8k, sharegpt, copyheavy) or a .jsonl/.txt file."),
     methods: Optional[str] = typer.Option(None, help="';'-separated, e.g. 'pld;recycle:budget=16'. AR is always added."),
     model: Optional[str] = typer.Option(None, "--model", "-m"),
-    dtype: Optional[str] = typer.Option(None),
+    dtype: Optional[str] = typer.Option(None, help="bfloat16 (default), float32, int4 or auto (float32 where the "
+                                        "CPU has no packed bf16 path); overrides the config's."),
     backend: Optional[str] = typer.Option(None, help="transformers (default) or llamacpp (the GGUF on llama.cpp)."),
     device: Optional[str] = typer.Option(None, help="cpu (default), cuda or auto (transformers backend)."),
     limit: Optional[int] = typer.Option(None, help="First N prompts (after --stride and --categories)."),

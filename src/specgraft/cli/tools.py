@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..errors import SpecgraftError
-from ..models import DEFAULT_MODEL, REGISTRY
+from ..models import DEFAULT_MODEL, REGISTRY, resolve_dtype
 from .app import app, quiet_transformers
 
 
@@ -303,7 +303,7 @@ def distortion(
     cfg = DistortionConfig(model, dtype, backend, prompts, limit, stride, max_new_tokens, temperature, seed, specs,
                            ("draft", {"shape": "chain", "model": draft_model}), (tree_name, tree_entry), tree_budget,
                            mc_draws, gamma, offset)
-    out = out or f"runs/distortion-{model.replace('/', '_')}-{dtype}.jsonl"
+    out = out or f"runs/distortion-{model.replace('/', '_')}-{resolve_dtype(dtype)}.jsonl"
     quiet_transformers()
     with Progress() as bar:
         task = bar.add_task("distortion", total=None)

@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..backend_choice import AUTO as BACKEND_AUTO
 from ..core.sampling import TRUNCATION_KEYS, SamplingParams
 from ..engine import Engine
 from ..env import environment
@@ -45,8 +46,10 @@ class MethodSpec:
     dtype: str = ""  # and its weights when not the config's dtype
 
     def engine_key(self, cfg: "BenchConfig") -> tuple[str, str]:
-        """(backend, dtype) with ``auto`` resolved: two spellings of one engine's weights share it."""
-        return (self.backend or cfg.backend, resolve_dtype(self.dtype or cfg.dtype, cfg.device))
+        """(backend, dtype) with dtype ``auto`` resolved (two spellings of one engine's weights share it), except
+        under ``--backend auto``, which scores both dense dtypes itself."""
+        backend, dtype = self.backend or cfg.backend, self.dtype or cfg.dtype
+        return (backend, dtype if backend == BACKEND_AUTO else resolve_dtype(dtype, cfg.device))
 
     def params(self, base: SamplingParams) -> SamplingParams:
         return replace(base, **self.sampling) if self.sampling else base
@@ -349,7 +352,7 @@ def run_harness(cfg: BenchConfig, out_path: str, progress=None, log=print, engin
     complete, dropped = repair_for_resume(out_path) if Path(out_path).exists() else (set(), 0)
     if complete or dropped:
         log(f"resume: {len(complete)} conversations already recorded; {dropped} incomplete line(s) dropped")
-    engines = {(cfg.backend, resolve_dtype(cfg.dtype, cfg.device)): engine} if engine else {}
+    engines = {MethodSpec("", "").engine_key(cfg): engine} if engine else {}
     for key in dict.fromkeys(spec.engine_key(cfg) for spec in specs):  # one engine per (backend, weights)
         if key not in engines:
             engines[key] = Engine(cfg.model, key[1], backend=key[0], device=cfg.device)

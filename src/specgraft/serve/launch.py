@@ -10,6 +10,7 @@ from typing import Optional
 from ..auto import choose_method
 from ..engine import Engine
 from ..errors import SpecgraftError
+from ..models import resolve_device, resolve_dtype
 from ..registry import check_options
 from .app import MAX_BODY_BYTES, Server
 from .options import DEFAULT_MAX_BUDGET, ClientPolicy
@@ -46,7 +47,9 @@ def build_server(model: str, dtype: str, method: str, budget, opts: dict, name: 
     if method != "auto":
         check_options(method, opts)
     bound_kernel_caches()
-    engine = Engine(model, dtype, cache_dir, backend=backend, device=device)
+    # A server's steps are batches: --dtype auto is the wide-step dtype even under --backend auto (whose scoring
+    # of both dense dtypes is for one request at a time)
+    engine = Engine(model, resolve_dtype(dtype, resolve_device(device)), cache_dir, backend=backend, device=device)
     if engine.backend_choice is not None:
         print(f"backend auto: {engine.backend_choice.describe()} — {engine.backend_choice.reason}", file=sys.stderr)
     auto = None

@@ -155,7 +155,7 @@ def run_distortion(cfg: DistortionConfig, modes: list[str], out_path: str, engin
                                on_verify=hook, **opts)
             engine.run()
             rec = {"prompt_id": item.id, "mode": mode, "method": method, "options": {k: str(v) for k, v in opts.items()},
-                   "model": cfg.model, "dtype": cfg.dtype, "backend": engine.backend_name,
+                   "model": cfg.model, "dtype": engine.dtype, "backend": engine.backend_name,
                    "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
                    "rules": {s: a.__dict__ for s, a in accs.items()}}
             with out.open("a", encoding="utf-8") as f:
