@@ -86,8 +86,11 @@ def test_the_curve_key_tells_packed_layers_from_plain_ones(monkeypatch):
     model = tiny_llama(vocab=64, layers=1)
     plain_runtime = TargetBackend(model).capabilities.runtime
     assert "prepacked" not in plain_runtime
-    packed.prepack(model)
-    assert TargetBackend(model).capabilities.runtime == plain_runtime + "|prepacked"
+    packed.prepack(model)  # fp32: laid out for 16 rows, its own curve
+    assert TargetBackend(model).capabilities.runtime == plain_runtime + "|prepacked16"
+    one_row = tiny_llama(vocab=64, layers=1)
+    packed.prepack(one_row, hint=1)  # the first layout keeps the key its cached curves were measured under
+    assert TargetBackend(one_row).capabilities.runtime == plain_runtime + "|prepacked"
     monkeypatch.setenv("SPECGRAFT_PREPACK", "0")  # the switch for measuring plain layers
     assert not packed.available(torch.float32) and packed.prepack(tiny_llama(layers=1)) == []
 

@@ -28,8 +28,12 @@ import torch
 from ..env import bf16_path, packed_path  # noqa: F401 -- re-exported: what this CPU packs
 
 # What oneDNN is told of the row count when it picks a blocked layout: decode and tree verification run few rows
-# (1..64). The layout serves every row count; the hint only chooses among equally valid blockings.
+# (1..64). The layout serves every row count; the hint chooses among equally valid blockings, and the choice
+# costs: on an AVX2-only EPYC a Qwen2.5-Coder-1.5B fp32 verify of 2-64 tokens laid out for 16 rows cost 0.61-0.88x
+# the one laid out for 1, and the same at one token (docs/benchmarks.md, "The packed layout's row-count hint").
+# bf16 keeps 1, what it was measured flat with (AVX-512 BF16, AMX).
 BATCH_HINT = 1
+HINTS = {torch.float32: 16, torch.bfloat16: BATCH_HINT}
 DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -48,12 +52,13 @@ class PackedLinear(torch.nn.Module):
     tensor); inputs are cast to the weight's dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16,
-                 hint: int = BATCH_HINT):
+                 hint: int | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = dtype
+        self.hint = HINTS[dtype] if hint is None else hint  # the row count the layout is chosen for
         dense = weight.detach().to(dtype).contiguous()
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(dense, hint), persistent=False)
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(dense, self.hint), persistent=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,11 +68,11 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def prepack(model: torch.nn.Module, hint: int = BATCH_HINT) -> list[str]:
+def prepack(model: torch.nn.Module, hint: int | None = None) -> list[str]:
     """Swap every bf16 or fp32 ``nn.Linear`` of a CPU model whose dtype oneDNN packs here for a
     :class:`PackedLinear` (in place); the names swapped. A head tied to the embedding gets its own packed copy:
-    the embedding keeps its table for the gathers. ``hint``: the row count the layout is chosen for
-    (``scripts/backend_costs.py hint-ab`` compares them)."""
+    the embedding keeps its table for the gathers. ``hint``: the row count the layout is chosen for (default: the
+    dtype's in ``HINTS``; ``scripts/backend_costs.py hint-ab`` compares them)."""
     swapped = []
     for name, module in list(model.named_modules()):
         if type(module) is not torch.nn.Linear or module.weight.is_cuda or not available(module.weight.dtype):

@@ -186,6 +186,15 @@ def packed_layers(model: torch.nn.Module) -> int:
     return sum(1 for m in model.modules() if any(getattr(b, "is_mkldnn", False) for b in m.buffers(recurse=False)))
 
 
+def packed_hint(model: torch.nn.Module) -> str:
+    """The row count the packed layers' layout was chosen for, as a cost-curve key suffix ("" for 1, the first
+    layout, so its cached curves stay valid): another layout is another curve."""
+    hints = {getattr(m, "hint", 1) for m in model.modules() if any(getattr(b, "is_mkldnn", False)
+                                                                  for b in m.buffers(recurse=False))}
+    hint = max(hints, default=1)
+    return "" if hint == 1 else str(hint)
+
+
 def head_rows(model: torch.nn.Module) -> int:
     """The output head's rows (the vocabulary it scores); any linear kind (plain, int4 codes, prepacked)."""
     head = model.get_output_embeddings()
@@ -217,7 +226,7 @@ class TargetBackend(RowLengths):
         self.device = next(model.parameters()).device
         fp32 = self.dtype == torch.float32
         self.weights = weights or str(self.dtype).replace("torch.", "")
-        runtime = torch_runtime() + ("|prepacked" if packed_layers(model) else "")
+        runtime = torch_runtime() + (f"|prepacked{packed_hint(model)}" if packed_layers(model) else "")
         self.capabilities = Capabilities("transformers", self.weights, runtime,
                                          str(self.device), hidden_states=True, references=("hf_assisted",),
                                          tie_gap=1e-3 if fp32 else 0.5,
