@@ -3,7 +3,7 @@ runs against the tiny engine."""
 
 import pytest
 
-from specgraft.eval.loadtest import prompt_table, request_body, run_loadtest, summary, table
+from specgraft.eval.loadtest import cell_order, prompt_table, request_body, run_loadtest, summary, table
 from specgraft.serve.app import Server
 
 from ..serve.live import Live
@@ -15,6 +15,19 @@ def test_request_body_from_a_method_spec():
     assert body["temperature"] == 0 and body["stream"] and body["max_tokens"] == 32
     assert "budget" not in request_body("ar", "hi", 8) and "options" not in request_body("ar", "hi", 8)
     assert "method" not in request_body("auto", "hi", 8)  # the server's default (its --method auto choice)
+
+
+def test_each_concurrency_changes_its_leading_method_every_round():
+    # four methods and four concurrencies: rotating by the number of cells run so far (a multiple of four at every
+    # group's start) would put AR first in every group, carrying the machine's drift into every ratio
+    methods, concs = ["ar", "pld", "graft", "auto"], [1, 4, 8, 16]
+    order = cell_order(methods, concs, 4)
+    assert len(order) == 64 and len(set(order)) == 64
+    for c in concs:
+        leads = [order[i][2] for i in range(0, 64, 4) if order[i][1] == c]
+        assert sorted(leads) == sorted(methods)  # each method leads each concurrency once in four rounds
+    group = [m for r, c, m in order if (r, c) == (1, 4)]
+    assert group == ["graft", "auto", "ar", "pld"]  # round 1, second concurrency: rotated by two
 
 
 def records():

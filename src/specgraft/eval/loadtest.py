@@ -1,7 +1,8 @@
 """Load generator for ``specgraft serve``: closed-loop streaming clients at fixed concurrency.
 
 One run measures every (concurrency, method) cell against the same server: rounds x concurrencies x methods,
-the method order rotated every cell (no method always runs first), after a warm-up request on a prompt outside
+the method order rotated by one place per round and per concurrency (:func:`cell_order`: no method always runs
+first), after a warm-up request on a prompt outside
 the evaluation set. Each cell sends its prompts through ``concurrency`` clients, each starting its next request
 when the previous one ends. Per request: time to first token (first streamed token), inter-token latency (a
 chunk's gap shared by the tokens it carries: one value per token), end-to-end latency, tokens, errors.
@@ -93,28 +94,32 @@ async def run_cell(url: str, spec: str, prompts: list[tuple[str, str]], concurre
 
 def run_loadtest(url: str, specs: list[str], prompts: list[tuple[str, str]], concurrencies: list[int], rounds: int,
                  max_tokens: int, out_path: str | Path, meta: dict, log=print) -> list[dict]:
-    """Every (round, concurrency, method) cell once, methods rotated per cell; resumes from ``out_path``."""
+    """Every (round, concurrency, method) cell once, in :func:`cell_order`; resumes from ``out_path``."""
     out_path = Path(out_path)
     done = {(r["round"], r["concurrency"], r["method"]) for r in read(out_path) if r.get("kind") == "cell"}
     asyncio.run(stream_one_warm(url, specs, max_tokens))
-    cell = 0
-    for rnd in range(rounds):
-        for c in concurrencies:
-            for spec in rotated(specs, cell):
-                cell += 1
-                if (rnd, c, spec) in done:
-                    continue
-                reqs, wall = asyncio.run(run_cell(url, spec, prompts, c, max_tokens))
-                base = {**meta, "round": rnd, "concurrency": c, "method": spec}
-                with out_path.open("a") as f:
-                    for r in reqs:
-                        f.write(json.dumps({**base, "kind": "request", **r}) + "\n")
-                    f.write(json.dumps({**base, "kind": "cell", "wall_s": wall, "requests": len(reqs),
-                                        "tokens": sum(r.get("tokens") or 0 for r in reqs),
-                                        "errors": sum(r["error"] is not None for r in reqs)}) + "\n")
-                log(f"round {rnd} c={c} {spec}: {sum(r.get('tokens') or 0 for r in reqs) / wall:.2f} tok/s, "
-                    f"{len(reqs) / wall:.3f} req/s, errors {sum(r['error'] is not None for r in reqs)}")
+    for rnd, c, spec in cell_order(specs, concurrencies, rounds):
+        if (rnd, c, spec) in done:
+            continue
+        reqs, wall = asyncio.run(run_cell(url, spec, prompts, c, max_tokens))
+        base = {**meta, "round": rnd, "concurrency": c, "method": spec}
+        with out_path.open("a") as f:
+            for r in reqs:
+                f.write(json.dumps({**base, "kind": "request", **r}) + "\n")
+            f.write(json.dumps({**base, "kind": "cell", "wall_s": wall, "requests": len(reqs),
+                                "tokens": sum(r.get("tokens") or 0 for r in reqs),
+                                "errors": sum(r["error"] is not None for r in reqs)}) + "\n")
+        log(f"round {rnd} c={c} {spec}: {sum(r.get('tokens') or 0 for r in reqs) / wall:.2f} tok/s, "
+            f"{len(reqs) / wall:.3f} req/s, errors {sum(r['error'] is not None for r in reqs)}")
     return read(out_path)
+
+
+def cell_order(specs: list[str], concurrencies: list[int], rounds: int) -> list[tuple[int, int, str]]:
+    """``(round, concurrency, method)`` in the order they run: the methods of round ``r``'s ``i``-th concurrency
+    rotated by ``r + i`` places, so each concurrency's cells change their leading method every round (the machine's
+    speed drifts over minutes: a method always run first would carry that drift into every ratio)."""
+    return [(rnd, c, spec) for rnd in range(rounds) for i, c in enumerate(concurrencies)
+            for spec in rotated(specs, rnd + i)]
 
 
 async def stream_one_warm(url: str, specs: list[str], max_tokens: int) -> None:
