@@ -259,3 +259,49 @@ def test_stop_ends_the_loop_aborts_what_is_in_flight_and_gives_the_engine_back(t
     server.stop()
     assert not server.runner.alive and not tiny_engine.active and not tiny_engine.has_unfinished()
     assert tiny_engine.budget_policy is own
+
+
+# -- --method auto under load (issue 27): a request the policy would give no tree runs as AR -----------------------
+def test_auto_requests_joining_a_batch_that_leaves_them_no_tree_run_as_ar(tiny_engine, monkeypatch):
+    """On a ``--method auto`` server, a greedy request that names no method is admitted as AR when the budget
+    policy gives its method no tree at the batch it joins (here PLD on a curve whose knee is 4 slots: no tree
+    from 3 requests on). Alone it keeps its method; a request naming its method, and a sampled one, keep it
+    under any load. Every greedy text is AR's."""
+    from specgraft.serve.policy import BatchBudget
+
+    def policy(engine):
+        p = BatchBudget.__new__(BatchBudget)
+        p.curve, p.knee, p.model, p._cal, p._memo = {1: 0.1, 2: 0.1, 4: 0.1, 8: 0.5, 64: 4.0}, 4, "m", {}, {}
+        return p
+
+    monkeypatch.setattr(app_mod, "BatchBudget", policy)
+    auto = {"method": "pld", "budget": 10, "reason": "test"}
+    server = Server.start(tiny_engine, method="pld", budget=10, auto=auto, max_num_seqs=4, warm=False)
+    assert tiny_engine.budget_policy.budget_for({"method": "pld"}, 10, 3) == 0  # the premise
+    gate, runner = Gate(tiny_engine, monkeypatch), server.runner
+    chat = {"messages": BODY["messages"], "temperature": 0, "max_tokens": 24}
+    with Live(server) as url, cf.ThreadPoolExecutor(5) as pool:
+        def send(**extra):
+            return pool.submit(httpx.post, url + "/v1/chat/completions", json={**chat, **extra}, timeout=60)
+
+        alone = send()
+        assert runner.wait_for(lambda: len(runner.running) == 1)  # admitted alone, its first step held
+        crowd = [send(), send()]
+        named = send(method="pld")
+        sampled = send(temperature=0.7, seed=3)
+        assert runner.wait_for(lambda: len(runner.waiting) == 4)
+        gate.open()
+        got = {name: f.result().json() for name, f in
+               (("alone", alone), ("c1", crowd[0]), ("c2", crowd[1]), ("named", named), ("sampled", sampled))}
+        shed = next(float(x.split()[-1]) for x in httpx.get(url + "/metrics").text.splitlines()
+                    if x.startswith("specgraft:spec_decode_requests_shed_total{"))
+    ran = {name: r["specgraft"]["method"] for name, r in got.items()}
+    assert ran == {"alone": "pld", "c1": "ar", "c2": "ar", "named": "pld", "sampled": "pld"}
+    assert got["c1"]["specgraft"]["shed_from"] == "pld" and "shed_from" not in got["alone"]["specgraft"]
+    assert shed == 2
+    ar = tiny_engine.generate(BODY["messages"], "ar", max_new_tokens=24).text
+    assert {got[n]["choices"][0]["message"]["content"] for n in ("alone", "c1", "c2", "named")} == {ar}
+    job = type("J", (), {"method": "pld", "sampling": None, "budget": 10, "options": {}})()
+    server.auto = None  # an explicit --method: never shed
+    assert server.speculation_test(job) is None
+    server.stop()

@@ -180,19 +180,24 @@ def torch_runtime() -> str:
     return f"threads={torch.get_num_threads()}|torch={torch.__version__}"
 
 
+def _packed(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if any(getattr(b, "is_mkldnn", False) for b in m.buffers(recurse=False))]
+
+
 def packed_layers(model: torch.nn.Module) -> int:
-    """How many of the model's linear layers hold prepacked oneDNN weights (``backends/packed.py``): their cost
-    curve is another than the plain layers', so the runtime says so."""
-    return sum(1 for m in model.modules() if any(getattr(b, "is_mkldnn", False) for b in m.buffers(recurse=False)))
+    """How many of the model's linear layers hold prepacked oneDNN weights (``backends/packed.py``)."""
+    return len(_packed(model))
 
 
-def packed_hint(model: torch.nn.Module) -> str:
-    """The row count the packed layers' layout was chosen for, as a cost-curve key suffix ("" for 1, the first
-    layout, so its cached curves stay valid): another layout is another curve."""
-    hints = {getattr(m, "hint", 1) for m in model.modules() if any(getattr(b, "is_mkldnn", False)
-                                                                  for b in m.buffers(recurse=False))}
-    hint = max(hints, default=1)
-    return "" if hint == 1 else str(hint)
+def packed_runtime(model: torch.nn.Module) -> str:
+    """The cost-curve key's suffix for the model's layers: "" when none is packed, else ``|prepacked`` and the row
+    count the layout was chosen for ("" for 1, the first layout, so its cached curves stay valid). Packed layers,
+    and each layout, have their own curve."""
+    layers = _packed(model)
+    if not layers:
+        return ""
+    hint = max(getattr(m, "hint", 1) for m in layers)
+    return "|prepacked" + ("" if hint == 1 else str(hint))
 
 
 def head_rows(model: torch.nn.Module) -> int:
@@ -226,7 +231,7 @@ class TargetBackend(RowLengths):
         self.device = next(model.parameters()).device
         fp32 = self.dtype == torch.float32
         self.weights = weights or str(self.dtype).replace("torch.", "")
-        runtime = torch_runtime() + (f"|prepacked{packed_hint(model)}" if packed_layers(model) else "")
+        runtime = torch_runtime() + packed_runtime(model)
         self.capabilities = Capabilities("transformers", self.weights, runtime,
                                          str(self.device), hidden_states=True, references=("hf_assisted",),
                                          tie_gap=1e-3 if fp32 else 0.5,

@@ -92,6 +92,20 @@ class Server:
         self.engine.step()  # aborted requests release their caches and drafters' rows here
         self.engine.budget_policy = self.engine_policy
 
+    def speculation_test(self, job: Job):
+        """For a request that named no method on a ``--method auto`` server: ``pays(batch)``, whether the budget
+        policy gives its method a tree at all in a step of ``batch`` requests (else it is admitted as AR, runner.py).
+        None where the request keeps its method whatever the load: an explicit ``--method``, no budget policy,
+        AR already, sampling (a seeded request's text must not depend on its neighbours, as for the policy), or a
+        budget still to be resolved."""
+        budget_for = getattr(self.engine.budget_policy, "budget_for", None)  # BatchBudget's (policy.py)
+        if (self.auto is None or budget_for is None or job.method == "ar" or not job.sampling.greedy
+                or not isinstance(job.budget, int)):
+            return None
+        config = {**{k: v for k, v in DEFAULTS.get(job.method, {}).items() if k != "budget"}, **job.options,
+                  "method": job.method}
+        return lambda batch: budget_for(config, job.budget, batch) > 0
+
     def tokenize(self, job: Job) -> list[int]:
         """Prompt ids, with the context-length check (in a worker thread: a 1 MB prompt takes a while)."""
         if isinstance(job.prompt, list) and all(isinstance(t, int) for t in job.prompt):
@@ -273,6 +287,9 @@ async def _complete(request: Request, body, kind: str):
     job = to_job(body, srv.method, srv.options, srv.budget, srv.policy)
     ids = await run_in_threadpool(srv.tokenize, job)
     ticket = Ticket(job.engine_kwargs(), ids, asyncio.get_running_loop(), asyncio.Queue(), replica=srv.replica)
+    if body.method is None:
+        ticket.pays = srv.speculation_test(job)
+        ticket.fallback = job.ar_kwargs() if ticket.pays is not None else None
     try:
         srv.runner.submit(ticket)
     except EngineDead:
@@ -331,7 +348,8 @@ def _raise_if_error(item, ticket: Ticket) -> None:
 
 def _spec(result, job: Job, replica: str) -> dict:
     s = result.stats
-    return {"method": job.method, "verify": job.verify, "lossy": job.verify != "lossless", "replica": replica,
+    ran = result.config.get("method", job.method)  # AR where a --method auto request was shed under load
+    return {"method": ran, **({"shed_from": job.method} if ran != job.method else {}), "verify": job.verify, "lossy": job.verify != "lossless", "replica": replica,
             "budget": result.config.get("budget"), "steps": s.steps,
             "mean_accepted_tokens": None if s.steps == 0 else round(s.mat, 4),
             "tokens_per_s": round(s.tokens_per_s, 3), "tokens": len(result.token_ids),

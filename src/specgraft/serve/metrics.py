@@ -45,6 +45,9 @@ class Metrics:
                                  "Emitted tokens by source: head, matrix, context or the target's bonus token.", ["source"])
         self.running = Gauge(PREFIX + "num_requests_running", "Requests in the batch.", m, registry=r)
         self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests queued for a batch slot.", m, registry=r)
+        self.shed = counter("spec_decode_requests_shed", "Requests without a method admitted as AR: at the "
+                            "batch they joined, the budget policy gave the server's --method auto choice no tree.")
+        self.shed.labels(model_name)  # exported from the start, at 0
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.success = counter("request_success", "Finished requests by finish reason.", ["finished_reason"])

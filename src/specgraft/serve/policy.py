@@ -84,11 +84,18 @@ class BatchBudget:
         return self._cal[key]
 
     def __call__(self, req, batch: int) -> int:
-        if batch < 2 or not req.params.greedy:  # see the module docstring: seeded sampling stays reproducible
+        if not req.params.greedy:  # see the module docstring: seeded sampling stays reproducible
             return req.budget
-        cal = self.calibration(req.config)
-        key = (id(cal[0]) if cal else None, req.budget, batch)
+        return self.budget_for(req.config, req.budget, batch)
+
+    def budget_for(self, config: dict, budget: int, batch: int) -> int:
+        """K*(batch) for a greedy request of ``config``'s method (its ``method`` and drafter options) asking for
+        ``budget``: what a step of ``batch`` requests gives it."""
+        if batch < 2:
+            return budget
+        cal = self.calibration(config)
+        key = (id(cal[0]) if cal else None, budget, batch)
         if key not in self._memo:
-            self._memo[key] = batch_budget(self.curve, *cal[:2], req.budget, batch, *cal[2:]) if cal else \
-                max(0, min(req.budget, self.knee // batch - 1))
+            self._memo[key] = batch_budget(self.curve, *cal[:2], budget, batch, *cal[2:]) if cal else \
+                max(0, min(budget, self.knee // batch - 1))
         return self._memo[key]

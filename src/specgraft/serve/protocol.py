@@ -119,6 +119,11 @@ class Job:
         return dict(method=self.method, sampling=self.sampling, max_new_tokens=self.max_tokens, stop=self.stop,
                     chat=self.chat, budget=self.budget, verify=self.verify, **self.options)
 
+    def ar_kwargs(self) -> dict:
+        """The same request decoded autoregressively (what a shed request runs: serve/runner.py)."""
+        return dict(method="ar", sampling=self.sampling, max_new_tokens=self.max_tokens, stop=self.stop,
+                    chat=self.chat, budget=0, verify=self.verify)
+
 
 def _refuse(cond, param: str, message: str) -> None:
     if cond:

@@ -26,7 +26,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..engine import Engine, NoCapacity, RequestOutput
 from ..errors import SpecgraftError
@@ -82,6 +82,11 @@ class Ticket:
     last_t: float | None = None
     need: dict | None = None  # backend resources it waits for (set when it did not fit)
     replica: str = ""  # the serving process (responses name it: Ray tests check who served)
+    # --method auto under load: ``fallback`` (AR's kwargs) is admitted instead when ``pays(batch)`` says the
+    # request's method gets no tree in a step of that many requests; ``shed`` records that it was
+    fallback: dict | None = None
+    pays: Callable[[int], bool] | None = None
+    shed: bool = False
 
     def put(self, item) -> None:
         """Hand an output (or ("error", APIError args)) to the handler; safe from the engine thread."""
@@ -175,7 +180,7 @@ class Runner:
                         admit.append(self.waiting.popleft())
                 self._abort_running()
                 for i, t in enumerate(admit):
-                    if not self._admit(t):  # no room beside the running ones: it and those after it wait
+                    if not self._admit(t, len(admit) - i - 1 + len(self.waiting)):  # no room: it and those after it wait
                         with self.cond:
                             self.waiting.extendleft(reversed(admit[i:]))
                         self.deferred += 1
@@ -216,14 +221,21 @@ class Runner:
                 t.timed_out = not t.cancelled
                 self.engine.abort(t.request_id)
 
-    def _admit(self, t: Ticket) -> bool:
-        """Admit one ticket; False when it must wait for room (nothing changed). Errors end this ticket only."""
+    def _admit(self, t: Ticket, queued: int = 0) -> bool:
+        """Admit one ticket; False when it must wait for room (nothing changed). Errors end this ticket only.
+        ``queued``: tickets still waiting behind it (the batch it joins grows by them, up to ``max_num_seqs``)."""
         if t.cancelled:
             return True
         if t.need is not None and not self.engine.fits(t.need):  # still no room: skip building the request
             return False
+        kwargs = t.kwargs
+        if t.fallback is not None and t.pays is not None:
+            # vLLM's disable-by-batch-size, decided by the budget policy: a tree shrunk to nothing still costs
+            # its drafter's work (prefill logits, matrix updates, features), so such a request runs as AR
+            t.shed = not t.pays(min(self.max_num_seqs, len(self.engine.active) + 1 + queued))
+            kwargs = t.fallback if t.shed else kwargs
         try:
-            rid = self.engine.add_request(t.prompt, **t.kwargs)
+            rid = self.engine.add_request(t.prompt, **kwargs)
         except NoCapacity as err:
             t.need = err.need
             return False
@@ -235,6 +247,8 @@ class Runner:
             t.put(("error", 500, f"could not start the request ({type(err).__name__})", "server_error"))
             return True
         t.request_id = rid
+        if t.shed:
+            self.metrics.shed.labels(self.metrics.model_name).inc()
         # the ticket's prompt is token ids (the handler tokenised it); a request that finished during admission
         # (max_tokens 1, a first token that is EOS or hits a stop string) has already left the engine's rows
         t.prompt_tokens = len(t.prompt)
