@@ -280,28 +280,54 @@ def test_auto_requests_joining_a_batch_that_leaves_them_no_tree_run_as_ar(tiny_e
     assert tiny_engine.budget_policy.budget_for({"method": "pld"}, 10, 3) == 0  # the premise
     gate, runner = Gate(tiny_engine, monkeypatch), server.runner
     chat = {"messages": BODY["messages"], "temperature": 0, "max_tokens": 24}
-    with Live(server) as url, cf.ThreadPoolExecutor(5) as pool:
-        def send(**extra):
-            return pool.submit(httpx.post, url + "/v1/chat/completions", json={**chat, **extra}, timeout=60)
+    try:
+        with Live(server) as url, cf.ThreadPoolExecutor(5) as pool:
+            def send(**extra):
+                sent = pool.submit(httpx.post, url + "/v1/chat/completions", json={**chat, **extra}, timeout=60)
+                return sent
 
-        alone = send()
-        assert runner.wait_for(lambda: len(runner.running) == 1)  # admitted alone, its first step held
-        crowd = [send(), send()]
-        named = send(method="pld")
-        sampled = send(temperature=0.7, seed=3)
-        assert runner.wait_for(lambda: len(runner.waiting) == 4)
-        gate.open()
-        got = {name: f.result().json() for name, f in
-               (("alone", alone), ("c1", crowd[0]), ("c2", crowd[1]), ("named", named), ("sampled", sampled))}
-        shed = next(float(x.split()[-1]) for x in httpx.get(url + "/metrics").text.splitlines()
-                    if x.startswith("specgraft:spec_decode_requests_shed_total{"))
+            alone = send()
+            assert runner.wait_for(lambda: len(runner.running) == 1)  # admitted alone, its first step held
+            sent = {}
+            for k, (name, extra) in enumerate((("c1", {}), ("c2", {}), ("named", {"method": "pld"}),
+                                               ("sampled", {"temperature": 0.7, "seed": 3}))):
+                sent[name] = send(**extra)  # queued in this order while the first step is held
+                assert runner.wait_for(lambda: len(runner.waiting) == k + 1)
+            gate.open()
+            got = {"alone": alone.result().json(), **{n: f.result().json() for n, f in sent.items()}}
+            shed = next(float(x.split()[-1]) for x in httpx.get(url + "/metrics").text.splitlines()
+                        if x.startswith("specgraft:spec_decode_requests_shed_total{"))
+    finally:
+        server.stop()
     ran = {name: r["specgraft"]["method"] for name, r in got.items()}
     assert ran == {"alone": "pld", "c1": "ar", "c2": "ar", "named": "pld", "sampled": "pld"}
     assert got["c1"]["specgraft"]["shed_from"] == "pld" and "shed_from" not in got["alone"]["specgraft"]
     assert shed == 2
     ar = tiny_engine.generate(BODY["messages"], "ar", max_new_tokens=24).text
     assert {got[n]["choices"][0]["message"]["content"] for n in ("alone", "c1", "c2", "named")} == {ar}
-    job = type("J", (), {"method": "pld", "sampling": None, "budget": 10, "options": {}})()
-    server.auto = None  # an explicit --method: never shed
-    assert server.speculation_test(job) is None
-    server.stop()
+
+
+def test_only_auto_greedy_requests_with_a_tree_budget_can_be_shed(tiny_engine, monkeypatch):
+    """``Server.speculation_test``: None (never shed) for an explicit ``--method`` server, a server without the
+    budget policy, AR, sampling, a budget still "auto" and budget 0; a test of the batch otherwise."""
+    from types import SimpleNamespace
+
+    from specgraft.core.sampling import SamplingParams
+
+    monkeypatch.setattr(tiny_engine, "budget_policy", SimpleNamespace(budget_for=lambda c, b, n: b if n < 3 else 0))
+    server = Server(tiny_engine, runner=None, metrics=None, name="t", method="pld", auto={"method": "pld"})
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7)
+
+    def test(**kw):
+        return server.speculation_test(SimpleNamespace(**{"method": "pld", "sampling": greedy, "budget": 10,
+                                                           "options": {}, **kw}))
+
+    pays = test()
+    assert pays(2) and not pays(3)
+    assert test(method="ar") is None and test(sampling=sampled) is None
+    assert test(budget="auto") is None and test(budget=0) is None
+    server.auto = None
+    assert test() is None
+    server.auto = {"method": "pld"}
+    monkeypatch.setattr(tiny_engine, "budget_policy", None)  # --no-batch-budget
+    assert test() is None

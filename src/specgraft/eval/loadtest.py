@@ -69,7 +69,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
         err = f"{type(e).__name__}: {e}"
     spec = (usage or {}).get("specgraft") or {}
     return {"e2e_s": time.perf_counter() - t0, "ttft_s": first, "itl_s": gaps, "tokens": tokens,
-            "steps": spec.get("steps"), "error": err}
+            "steps": spec.get("steps"), "ran": spec.get("method"), "shed_from": spec.get("shed_from"), "error": err}
 
 
 async def run_cell(url: str, spec: str, prompts: list[tuple[str, str]], concurrency: int, max_tokens: int

@@ -96,11 +96,11 @@ class Server:
         """For a request that named no method on a ``--method auto`` server: ``pays(batch)``, whether the budget
         policy gives its method a tree at all in a step of ``batch`` requests (else it is admitted as AR, runner.py).
         None where the request keeps its method whatever the load: an explicit ``--method``, no budget policy,
-        AR already, sampling (a seeded request's text must not depend on its neighbours, as for the policy), or a
-        budget still to be resolved."""
+        AR already, sampling (a seeded request's text must not depend on its neighbours, as for the policy), a
+        budget still to be resolved ("auto"), or budget 0 (AR's work already)."""
         budget_for = getattr(self.engine.budget_policy, "budget_for", None)  # BatchBudget's (policy.py)
         if (self.auto is None or budget_for is None or job.method == "ar" or not job.sampling.greedy
-                or not isinstance(job.budget, int)):
+                or not isinstance(job.budget, int) or job.budget < 1):
             return None
         config = {**{k: v for k, v in DEFAULTS.get(job.method, {}).items() if k != "budget"}, **job.options,
                   "method": job.method}
@@ -349,7 +349,8 @@ def _raise_if_error(item, ticket: Ticket) -> None:
 def _spec(result, job: Job, replica: str) -> dict:
     s = result.stats
     ran = result.config.get("method", job.method)  # AR where a --method auto request was shed under load
-    return {"method": ran, **({"shed_from": job.method} if ran != job.method else {}), "verify": job.verify, "lossy": job.verify != "lossless", "replica": replica,
+    return {"method": ran, **({"shed_from": job.method} if ran != job.method else {}), "verify": job.verify,
+            "lossy": job.verify != "lossless", "replica": replica,
             "budget": result.config.get("budget"), "steps": s.steps,
             "mean_accepted_tokens": None if s.steps == 0 else round(s.mat, 4),
             "tokens_per_s": round(s.tokens_per_s, 3), "tokens": len(result.token_ids),

@@ -43,7 +43,8 @@ def verify_s(curve: dict[int, float], width: int) -> float:
 def batch_budget(curve: dict[int, float], ranks: list[list[int]], draft_s: float, budget: int, batch: int,
                  idle_at_zero: bool = False) -> int:
     """K*(B) of the module docstring. ``idle_at_zero``: the drafter does no work at K = 0 (an EAGLE head defers
-    the accepted tokens' features to its next drafting step), so K = 0 costs AR's step; otherwise its time is
+    the accepted tokens' features to its next drafting step), so K = 0 costs AR's step in the model (Graft's host
+    work on the verified logits still runs: serve/runner.py sheds such requests to AR); otherwise its time is
     paid at every K and shrinking the budget is never credited with a saving it does not make. ``B * draft_s``
     is an upper bound where drafting is batched across requests (the head's passes are): the policy errs
     towards smaller trees."""

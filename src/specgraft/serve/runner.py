@@ -180,7 +180,8 @@ class Runner:
                         admit.append(self.waiting.popleft())
                 self._abort_running()
                 for i, t in enumerate(admit):
-                    if not self._admit(t, len(admit) - i - 1 + len(self.waiting)):  # no room: it and those after it wait
+                    # no room beside the running ones: it and those after it wait
+                    if not self._admit(t, len(admit) - i - 1 + len(self.waiting)):
                         with self.cond:
                             self.waiting.extendleft(reversed(admit[i:]))
                         self.deferred += 1
@@ -226,16 +227,17 @@ class Runner:
         ``queued``: tickets still waiting behind it (the batch it joins grows by them, up to ``max_num_seqs``)."""
         if t.cancelled:
             return True
-        if t.need is not None and not self.engine.fits(t.need):  # still no room: skip building the request
-            return False
-        kwargs = t.kwargs
         if t.fallback is not None and t.pays is not None:
             # vLLM's disable-by-batch-size, decided by the budget policy: a tree shrunk to nothing still costs
             # its drafter's work (prefill logits, matrix updates, features), so such a request runs as AR
-            t.shed = not t.pays(min(self.max_num_seqs, len(self.engine.active) + 1 + queued))
-            kwargs = t.fallback if t.shed else kwargs
+            shed = not t.pays(min(self.max_num_seqs, len(self.engine.active) + 1 + queued))
+            if shed != t.shed:
+                t.need = None  # what it waited for was the other choice's reservation
+            t.shed = shed
+        if t.need is not None and not self.engine.fits(t.need):  # still no room: skip building the request
+            return False
         try:
-            rid = self.engine.add_request(t.prompt, **kwargs)
+            rid = self.engine.add_request(t.prompt, **(t.fallback if t.shed else t.kwargs))
         except NoCapacity as err:
             t.need = err.need
             return False
