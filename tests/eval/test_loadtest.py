@@ -61,6 +61,16 @@ def test_summary_ratios_errors_and_mat():
     assert per[2] == "| a | 0.200 | 0.100 (2.00x) |"
 
 
+def test_requests_shed_to_ar_are_counted_per_cell():
+    recs = records()
+    for r in recs:
+        if r["kind"] == "request" and r["method"] == "pld" and r["prompt"] == "a":
+            r["ran"], r["shed_from"] = "ar", "pld"
+    rows = {r["method"]: r for r in summary(recs)}
+    assert rows["pld"]["shed"] == 2 and rows["ar"]["shed"] == 0
+    assert "(2 shed to AR)" in table(list(rows.values())) and "(0 shed" not in table(list(rows.values()))
+
+
 def test_a_live_run_measures_and_resumes(tiny_engine, tmp_path):
     server = Server.start(tiny_engine, method="ar", max_num_seqs=4, batch_budget=False)
     out = tmp_path / "load.jsonl"

@@ -167,6 +167,7 @@ def summary(records: list[dict]) -> list[dict]:
                      "itl_p50": _pct([g for r in ok for g in r["itl_s"]], 50),
                      "itl_p99": _pct([g for r in ok for g in r["itl_s"]], 99),
                      "mat": (sum(r["tokens"] - 1 for r in ok) / steps) if steps else None,
+                     "shed": sum(1 for r in ok if r.get("shed_from")),  # --method auto requests run as AR
                      "errors": len(rs) - len(ok)})
     for row in rows:
         ar = next((x for x in rows if (x["model"], x["concurrency"], x["method"]) == (row["model"], row["concurrency"], "ar")), None)
@@ -193,7 +194,7 @@ def table(rows: list[dict]) -> str:
         tr = f"{r['throughput_ratio']:.2f}x" if "throughput_ratio" in r else "-"
         ci = f"{r['speedup']:.2f}x [{r['speedup_ci'][0]:.2f}, {r['speedup_ci'][1]:.2f}]" if "speedup" in r else "-"
         per = ", ".join(f"{x:.1f}" for x in r["round_tok_per_s"])
-        mat = f"{r['mat']:.2f}" if r["mat"] else "-"
+        mat = (f"{r['mat']:.2f}" if r["mat"] else "-") + (f" ({r['shed']} shed to AR)" if r.get("shed") else "")
         lines.append(f"| {r['model']} | {r['concurrency']} | {r['method']} | {r['req_per_s']:.3f} | "
                      f"{r['tok_per_s']:.2f} ({per}) | {tr} | {ci} | {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | "
                      f"{1000 * r['itl_p50']:.0f} / {1000 * r['itl_p99']:.0f} | {mat} | {r['errors']} |")
