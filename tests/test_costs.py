@@ -89,3 +89,40 @@ def test_a_contended_curve_is_used_but_not_cached(measured, capsys):
     costs.backend_curve("m", FakeBackend())
     assert measured.calls == ["float32", "float32"]
     assert costs.backend_curve_path("m", FakeBackend.capabilities).exists()
+
+
+class DriftingBackend:
+    """A backend whose forward at width ``w`` costs ``1 + 0.1 * w`` units on a fake clock, times the machine's
+    speed: 1 until forward number ``step_at``, then ``slow`` (a drift from one phase to another)."""
+
+    rows = 0
+
+    def __init__(self, clock, step_at: int, slow: float = 1.6):
+        self.clock, self.step_at, self.slow, self.calls = clock, step_at, slow, 0
+
+    def prefill(self, ids):
+        pass
+
+    def verify(self, tree):
+        self.clock[0] += (1 + 0.1 * tree.size) * (self.slow if self.calls >= self.step_at else 1.0)
+        self.calls += 1
+
+    def truncate(self, length):
+        pass
+
+    def reset(self):
+        pass
+
+
+@pytest.mark.parametrize("step_at", [5, 40, 71, 100, 133])
+def test_a_drift_during_the_measurement_moves_the_whole_curve_not_a_stretch_of_it(monkeypatch, step_at):
+    """Timed one width after another, a phase change makes every later width look dearer: a false knee. Timed
+    between neighbouring reference forwards, the curve's shape (each width's cost over width 1's) stays exact
+    wherever the change falls."""
+    clock = [0.0]
+    monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
+    widths = tuple(range(1, 21))
+    curve = costs.measure_curve(DriftingBackend(clock, step_at), 1000, widths, prefix=8, reps=3)
+    for w in widths:
+        assert curve[w] / curve[1] == pytest.approx((1 + 0.1 * w) / 1.1)
+    assert 1.1 - 1e-9 <= curve[1] <= 1.1 * 1.6 + 1e-9  # the level: the reference's median, somewhere between the two phases

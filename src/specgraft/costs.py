@@ -2,9 +2,9 @@
 
 Every budget decision reads this one curve: ``--budget auto`` and ``--method auto`` (``auto.py``) and the
 server's budget under load (``serve/policy.py``). It is measured through the Backend protocol (a chain of ``W``
-tokens after a 256-token prefix, median of 3) and cached under a key naming what it depends on: the model,
-the backend's weights format, this CPU, the backend's runtime (threads, library version) and its device
-(``Backend.capabilities``). Nothing here is hard-coded per machine.
+tokens after a 256-token prefix, each width timed between two 1-token forwards, 3 sweeps: ``measure_curve``)
+and cached under a key naming what it depends on: the model, the backend's weights format, this CPU, the
+backend's runtime (threads, library version) and its device (``Backend.capabilities``). Nothing here is hard-coded per machine.
 
 A curve measured while other processes (or the hypervisor, as steal time) take a share of the CPUs prices every
 width too high, and a cached curve is believed until it is deleted: such a measurement is used for the run that
@@ -35,6 +35,9 @@ WIDTHS = tuple(range(1, 65))
 # the most of the machine's CPU time (all cores) others may use while a curve is measured for it to be cached:
 # on 2 cores one busy neighbour thread is 50%; a few per cent is ordinary background
 CONTENTION_MAX = 0.10
+# how ``measure_curve`` times the widths; a cached curve timed another way (one width after another, before
+# 2026-12-07) is measured again
+MEASUREMENT = "paired-reference"
 
 
 def machine_key(model: str, weights: str, device: str = "cpu", runtime: str | None = None) -> str:
@@ -80,26 +83,45 @@ def curve_path(engine):
     return backend_curve_path(engine.model_name, engine.capabilities)
 
 
-def measure_curve(backend, vocab_size: int, widths=WIDTHS, prefix: int = 256, reps: int = 3) -> dict[int, float]:
+def measure_curve(backend, vocab_size: int, widths=WIDTHS, prefix: int = 256, reps: int = 3,
+                  reference: int = 1) -> dict[int, float]:
     """Seconds per verification forward by slot count on an idle backend (random tokens: the cost does not
-    depend on them)."""
+    depend on them).
+
+    Our machines' speed drifts by tens of per cent within minutes. Timed one after another, a slow phase lands
+    on a run of neighbouring widths and the policy reads it as a knee (a SmolLM2 curve measured 46 ms at 1 slot,
+    64-73 ms at 2-11 and 37-48 ms at 12-22). So each width is timed between two forwards at the ``reference``
+    width, in ``reps`` sweeps over all widths: the curve's shape is each width's median ratio to its two
+    neighbours (which ran at the same machine speed), its level the reference's median over the whole
+    measurement. A drift then moves the whole curve, not a stretch of it."""
     if backend.rows:
         raise SpecgraftError("the latency curve is measured on an idle engine (requests are in flight)")
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(100, min(vocab_size, 20000), (prefix + max(widths),), generator=gen)
+    ids = torch.randint(100, min(vocab_size, 20000), (prefix + max(*widths, reference),), generator=gen)
     backend.prefill(ids[:prefix])
-    out: dict[int, float] = {}
-    for w in (widths[0], *widths):  # the first width twice: warm-up
-        times = []
-        for _ in range(reps):
-            tree = Tree.chain(int(ids[prefix]), ids[prefix + 1: prefix + w].tolist())
-            start = time.perf_counter()
-            backend.verify(tree)
-            times.append(time.perf_counter() - start)
-            backend.truncate(prefix)
-        out[w] = statistics.median(times)
+
+    def timed(w: int) -> float:
+        tree = Tree.chain(int(ids[prefix]), ids[prefix + 1: prefix + w].tolist())
+        start = time.perf_counter()
+        backend.verify(tree)
+        seconds = time.perf_counter() - start
+        backend.truncate(prefix)
+        return seconds
+
+    timed(reference)  # warm-up
+    refs: list[float] = []
+    ratios: dict[int, list[float]] = {w: [] for w in widths}
+    for _ in range(reps):
+        before = timed(reference)
+        refs.append(before)
+        for w in widths:
+            seconds, after = timed(w), timed(reference)
+            ratios[w].append(2 * seconds / (before + after))
+            refs.append(after)
+            before = after
     backend.reset()
-    return out
+    level = statistics.median(refs)
+    return {w: level * statistics.median(ratios[w]) for w in widths}
 
 
 def cpu_snapshot(stat: Path = Path("/proc/stat"), cpus: set[int] | None = None):
@@ -140,8 +162,9 @@ def backend_curve(model: str, backend, widths=WIDTHS, prefix: int = 256, reps: i
     """A backend's curve for ``model``: read from this machine's cache, else measured once and cached (not cached
     when others used more than ``CONTENTION_MAX`` of the CPUs meanwhile: it is then measured again next run)."""
     path = backend_curve_path(model, backend.capabilities)
-    if path.exists() and not refresh:
-        return {int(k): v for k, v in json.loads(path.read_text())["seconds"].items()}
+    cached = json.loads(path.read_text()) if path.exists() and not refresh else {}
+    if cached.get("measurement") == MEASUREMENT:
+        return {int(k): v for k, v in cached["seconds"].items()}
     if str(path) in _UNCACHED and not refresh:  # one measurement per process: every reader sees the same curve
         return _UNCACHED[str(path)]
     before = cpu_snapshot()
@@ -155,6 +178,7 @@ def backend_curve(model: str, backend, widths=WIDTHS, prefix: int = 256, reps: i
         return out
     _UNCACHED.pop(str(path), None)
     write_json(path, {"key": backend_key(model, backend.capabilities), "prefix": prefix, "seconds": out,
+                      "measurement": MEASUREMENT,
                       "others_cpu_share": None if share is None else round(share, 4)})
     return out
 

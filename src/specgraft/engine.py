@@ -32,7 +32,7 @@ from .lossy.rules import Rule, parse_rule
 from .models import resolve_device, resolve_dtype
 from .outputs import _LABEL, TOKEN_SOURCES, Generation, RequestOutput, Stream  # noqa: F401 -- re-exported
 from .reference import assistant, reference_stream
-from .registry import DEFAULTS, REFERENCES, check_lossy, check_options, make_drafter
+from .registry import DEFAULTS, REFERENCES, check_lossy, check_options, make_drafter, method_options
 from .request import (NoCapacity, Request, check_length, check_reservation, cut_at_eos,  # noqa: F401 -- re-exported
                       first_token, fits, held, verify_fn)
 from .text import TextState, chat_ids
@@ -201,8 +201,8 @@ class Engine:
 
     def _config(self, method, options, budget, sampling, max_new_tokens, chat, stop, rule, auto) -> dict:
         # A drafter's own ``model`` option (the draft model) is recorded as ``draft_model``: ``model`` is the target.
-        opts = {**{k: v for k, v in DEFAULTS.get(method, {}).items() if k != "budget"},
-                **{k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in options.items()}}
+        opts = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                for k, v in method_options(method, options).items()}
         return {"model": self.model_name, "dtype": self.dtype, "backend": self.backend_name, "device": self.device,
                 "method": method,
                 "budget": budget,

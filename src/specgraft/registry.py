@@ -58,6 +58,12 @@ DEFAULTS: dict[str, dict] = {
 }
 REFERENCES = {"hf_assisted": "transformers", "llama_pld": "llamacpp", "llama_server": "llamacpp"}  # run this backend's library loop, not ours
 METHODS = tuple(DEFAULTS)
+
+
+def method_options(method: str, options: dict) -> dict:
+    """The options a request of ``method`` runs with: the method's defaults (budget aside: it is sized
+    separately) overridden by the request's own."""
+    return {**{k: v for k, v in DEFAULTS.get(method, {}).items() if k != "budget"}, **options}
 # Per-request keys a benchmark method entry may carry besides the method's options: the verification rule,
 # the truncation-sampling settings the rule is compared against, and a label for repeated configurations.
 LOOP_KEYS = ("verify", *TRUNCATION_KEYS, "label")

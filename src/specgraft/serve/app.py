@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import Engine, RequestOutput
 from ..errors import SpecgraftError
-from ..registry import DEFAULTS
+from ..registry import DEFAULTS, method_options
 from .metrics import Metrics
 from .options import ClientPolicy
 from .policy import BatchBudget
@@ -102,8 +102,7 @@ class Server:
         if (self.auto is None or budget_for is None or job.method == "ar" or not job.sampling.greedy
                 or not isinstance(job.budget, int) or job.budget < 1):
             return None
-        config = {**{k: v for k, v in DEFAULTS.get(job.method, {}).items() if k != "budget"}, **job.options,
-                  "method": job.method}
+        config = {**method_options(job.method, job.options), "method": job.method}
         return lambda batch: budget_for(config, job.budget, batch) > 0
 
     def tokenize(self, job: Job) -> list[int]:
