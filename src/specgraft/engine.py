@@ -240,12 +240,13 @@ class Engine:
                              f"{self.backend.capacity()}", req.reserve)
         req.admitted_at = clock()
         d = req.drafter
-        rows = torch.tensor(last_occurrences(req.prompt_ids)) if d.needs_prefill_logits else False
+        warm = d.needs_prefill_logits and self._drafts_on_joining(req)
+        rows = torch.tensor(last_occurrences(req.prompt_ids)) if warm else False
         pre = self.backend.add(torch.tensor(req.prompt_ids, dtype=torch.long), rows, d.hidden_layers)
         self.active.append(req)
         first: list[RequestOutput] = []
         try:
-            d.start(req.prompt_ids, pre.logits if d.needs_prefill_logits else None, pre.hidden)
+            d.start(req.prompt_ids, pre.logits if warm else None, pre.hidden)
             req.gen = make_generator(req.params.seed)
             tok = first_token(pre.logits[-1], req.params, req.gen)
             req.stats.prefill_s += clock() - req.admitted_at
@@ -258,6 +259,14 @@ class Engine:
             release(d)
             raise
         self._done.extend(first)
+
+    def _drafts_on_joining(self, req: Request) -> bool:
+        """Whether the scheduler's policy gives ``req`` a tree in the batch it joins. Where it gives none (a
+        crowded batch), the prompt is prefilled without the logits a drafter warms its matrix on (Graft, Token
+        Recycling): on Qwen2.5-1.5B bf16 they add ~56 ms to a 94-token prefill, which at 16 requests in flight
+        the whole batch waits for, 16 times per wave. The drafter starts cold and learns from the tokens it
+        verifies once it drafts. Lossless either way."""
+        return self.budget_policy is None or self.budget_policy(req, len(self.active) + 1) > 0
 
     def abort(self, request_id: int) -> bool:
         """Stop a request now and free its cache row; its final output comes out of the next :meth:`step`.

@@ -157,3 +157,37 @@ def test_first_tokens_are_still_emitted_at_admission(engine):
     outs = engine.pending()
     assert [o.request_id for o in outs] == [rid] and outs[0].finished and len(outs[0].result.token_ids) == 1
     assert engine.active == []
+
+
+def test_a_request_the_policy_gives_no_tree_does_no_matrix_work_until_it_drafts(engine, monkeypatch):
+    """Under the server's policy, a request joining a batch where it gets no tree is prefilled without the
+    [P, V] logits its matrix warms up on, and its budget-0 steps skip the matrix update (a top-k over the
+    vocabulary). Once the policy gives it a tree it learns again. Greedy text stays AR's throughout."""
+    prompt = [5, 6, 7, 8, 5, 6, 9, 10]
+    ar = engine.add_request(prompt, "ar", max_new_tokens=16)
+    expected = engine.run()[ar].token_ids
+    asked, real_add = [], engine.backend.add
+
+    def add(ids, rows, hidden_layers):
+        asked.append(rows is not False)
+        return real_add(ids, rows, hidden_layers)
+
+    monkeypatch.setattr(engine.backend, "add", add)
+    crowded = [True]
+    engine.budget_policy = lambda req, batch: 0 if crowded[0] and batch >= 2 else req.budget
+    alone = engine.add_request(prompt, "recycle", max_new_tokens=16)
+    joined = engine.add_request(prompt, "recycle", max_new_tokens=16)
+    warm, cold = (r.drafter for r in engine.active)
+    assert asked == [True, False]  # the second joined a batch of two: no prompt logits
+    assert warm.matrix.rows_filled > 0 and cold.matrix.rows_filled == 0
+    updates = []
+    for d in (warm, cold):
+        monkeypatch.setattr(d.matrix, "update", lambda *a, real=d.matrix.update, d=d: updates.append(d) or real(*a))
+    for _ in range(3):
+        engine.step()
+    assert updates == []  # budget-0 steps
+    crowded[0] = False
+    engine.step()
+    assert updates == [warm, cold] and cold.matrix.rows_filled > 0
+    out = engine.run()
+    assert out[alone].token_ids == out[joined].token_ids == expected

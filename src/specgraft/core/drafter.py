@@ -37,7 +37,8 @@ class Drafter(Protocol):
     name: str
     # Whether ``start`` wants prefill logits: the rows at the last occurrence of each distinct prompt token
     # (``last_occurrences``; all an adjacency matrix keeps), not every position, because an
-    # lm_head over a long prompt's every position costs as much as a large part of the prefill.
+    # lm_head over a long prompt's every position costs as much as a large part of the prefill. Even so ``start``
+    # may get None: a request joining a batch where the scheduler gives it no tree starts cold (engine.py).
     needs_prefill_logits: bool
 
     # Target hidden-state layers the drafter reads at prefill and at every verified node (EAGLE heads).

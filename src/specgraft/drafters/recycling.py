@@ -48,6 +48,7 @@ class TokenRecycling:
 
     name = "recycle"
     needs_prefill_logits = True
+    _idle = False
     hidden_layers = ()
     forward_s = 0.0
 
@@ -72,15 +73,19 @@ class TokenRecycling:
         if self.scope == "cold":
             self.matrix.clear()
         self.shared["requests"] += 1
-        # The prefill's logits are free successor observations for every distinct prompt token.
-        self.matrix.update_prompt(prompt_ids, prefill_logits)
+        # The prefill's logits are free successor observations for every distinct prompt token (None: the
+        # request joined a batch too crowded to draft in and starts cold, engine._drafts_on_joining).
+        if prefill_logits is not None:
+            self.matrix.update_prompt(prompt_ids, prefill_logits)
 
     def propose(self, ctx: DraftContext) -> Tree:
+        self._idle = ctx.budget <= 0  # the scheduler gave no tree: skip the observation's top-k (GraftDrafter)
         n = min(len(self.parents), ctx.budget + 1)
         return self.matrix.materialize(ctx.ids[-1], self.parents[:n], self.ranks[:n], self.depths[:n])
 
     def observe(self, tree: Tree, logits: torch.Tensor, verdict, hidden=None) -> None:
-        self.matrix.update(tree.tokens, logits)
+        if not self._idle:
+            self.matrix.update(tree.tokens, logits)
 
     def describe(self) -> dict:
         state = "cold" if self.scope == "cold" or self.shared["requests"] <= 1 else "hot"
