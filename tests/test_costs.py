@@ -125,4 +125,5 @@ def test_a_drift_during_the_measurement_moves_the_whole_curve_not_a_stretch_of_i
     curve = costs.measure_curve(DriftingBackend(clock, step_at), 1000, widths, prefix=8, reps=3)
     for w in widths:
         assert curve[w] / curve[1] == pytest.approx((1 + 0.1 * w) / 1.1)
-    assert 1.1 - 1e-9 <= curve[1] <= 1.1 * 1.6 + 1e-9  # the level: the reference's median, somewhere between the two phases
+    # the level: the reference's median, somewhere between the two phases
+    assert 1.1 - 1e-9 <= curve[1] <= 1.1 * 1.6 + 1e-9

@@ -4,7 +4,8 @@ Every budget decision reads this one curve: ``--budget auto`` and ``--method aut
 server's budget under load (``serve/policy.py``). It is measured through the Backend protocol (a chain of ``W``
 tokens after a 256-token prefix, each width timed between two 1-token forwards, 3 sweeps: ``measure_curve``)
 and cached under a key naming what it depends on: the model, the backend's weights format, this CPU, the
-backend's runtime (threads, library version) and its device (``Backend.capabilities``). Nothing here is hard-coded per machine.
+backend's runtime (threads, library version) and its device (``Backend.capabilities``). Nothing here is
+hard-coded per machine.
 
 A curve measured while other processes (or the hypervisor, as steal time) take a share of the CPUs prices every
 width too high, and a cached curve is believed until it is deleted: such a measurement is used for the run that
