@@ -1,9 +1,10 @@
 """Target backend: an unmodified ``AutoModelForCausalLM`` that verifies B requests' trees in one forward.
 
-It owns one KV cache for all active requests (rows). Row ``i`` holds exactly its committed prefix in
-columns ``[0, len_i)``; the root of its next tree (its last committed token) is *not* cached yet. The cache
-is right-padded: columns ``len_i .. L-1`` of a shorter row are holes that the additive mask hides, and
-positions are explicit, so holes never shift RoPE. A step appends ``W`` tree columns for every row at
+It owns one KV cache for all active requests (rows), each layer a buffer written by position
+(``core/attention.py``, which also attends without copying grouped key/value heads). Row ``i`` holds exactly its
+committed prefix in columns ``[0, len_i)``; the root of its next tree (its last committed token) is *not* cached
+yet. The cache is right-padded: columns ``len_i .. L-1`` of a shorter row are holes that the additive mask
+hides, and positions are explicit, so holes never shift RoPE. A step appends ``W`` tree columns for every row at
 ``L``; :meth:`commit_batch` copies each row's accepted columns down to ``len_i`` and trims the cache to the
 longest row, so it never grows beyond ``max len + W`` (docs/design.md §2)::
 
@@ -30,6 +31,7 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import SpecgraftError
+from .attention import positional_cache, use_grouped_attention
 from .tree import Tree
 
 
@@ -231,7 +233,8 @@ class TargetBackend(RowLengths):
         self.device = next(model.parameters()).device
         fp32 = self.dtype == torch.float32
         self.weights = weights or str(self.dtype).replace("torch.", "")
-        runtime = torch_runtime() + packed_runtime(model)
+        # Grouped key/value heads attended without copying them per query head (core/attention.py): its own curve
+        runtime = torch_runtime() + ("|grouped-sdpa" if use_grouped_attention(model) else "") + packed_runtime(model)
         self.capabilities = Capabilities("transformers", self.weights, runtime,
                                          str(self.device), hidden_states=True, references=("hf_assisted",),
                                          tie_gap=1e-3 if fp32 else 0.5,
@@ -248,6 +251,8 @@ class TargetBackend(RowLengths):
         if self.draft_loader is None:
             raise SpecgraftError(f"this backend cannot load draft model '{model}' by name; pass the model loaded")
         return self.draft_loader(model)
+
+    new_cache: Callable[[object], DynamicCache] = staticmethod(positional_cache)  # written by position
 
     def reset(self) -> None:
         self.cache: DynamicCache | None = None
@@ -268,7 +273,7 @@ class TargetBackend(RowLengths):
         """Prefill ``ids: [T]`` alone and append it as the last row; logits ``[T, V]`` (``all_logits=True``),
         ``[len(rows), V]`` (a tensor of positions ``rows``) or ``[1, V]`` (the last position); hidden states
         ``[T, H]``."""
-        cache = DynamicCache(config=self.model.config)
+        cache = self.new_cache(self.model.config)
         keep = all_logits.to(self.device) if isinstance(all_logits, torch.Tensor) else (0 if all_logits else 1)
         out = self.model(input_ids=ids.unsqueeze(0).to(self.device), use_cache=True, **{self._cache_kw: cache},
                          logits_to_keep=keep, output_hidden_states=bool(hidden_layers))
