@@ -178,17 +178,23 @@ def test_hf_assisted_passes_truncation_sampling(monkeypatch):
     import types
 
     from specgraft import reference
+    from specgraft.core.attention import NAME
     from specgraft.core.sampling import SamplingParams
 
     seen = {}
 
     class FakeTarget:
+        config = types.SimpleNamespace(_attn_implementation=NAME)  # our grouped attention installed
+
+        def set_attn_implementation(self, name):
+            self.config._attn_implementation = name
+
         def register_forward_hook(self, fn):
             self.fn = fn
             return types.SimpleNamespace(remove=lambda: None)
 
         def generate(self, ids, **kw):
-            seen.update(kw)
+            seen.update(kw, attention=self.config._attn_implementation)
             for _ in range(3):  # three verification calls
                 self.fn()
             return torch.cat([ids, torch.tensor([[5, 6, 7, 8, 9, 10, 11]])], 1)
@@ -199,6 +205,7 @@ def test_hf_assisted_passes_truncation_sampling(monkeypatch):
     new, st = reference.hf_assisted(engine, [1, 2], SamplingParams(0.7, min_p=0.2, eta=0.01, seed=1), 16, "x")
     assert seen["min_p"] == 0.2 and seen["eta_cutoff"] == 0.01 and seen["do_sample"]
     assert new == [5, 6, 7, 8, 9, 10, 11] and st.steps == 3 and abs(st.mat - 7 / 3) < 1e-9
+    assert seen["attention"] == "sdpa" and engine.backend.model.config._attn_implementation == NAME  # stock, then ours
 
 
 @pytest.mark.slow

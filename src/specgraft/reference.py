@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 
+from .core.attention import stock_attention
 from .core.backend import head_rows
 from .core.sampling import SamplingParams
 from .core.stats import Stats
@@ -66,10 +67,12 @@ def hf_assisted(engine, ids: list[int], sampling: SamplingParams, max_new_tokens
         torch.manual_seed(sampling.seed)
     t0 = time.perf_counter()
     try:
-        out = target.generate(torch.tensor([ids], device=device),
-                              attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
-                              assistant_model=helper, max_new_tokens=max_new_tokens,
-                              eos_token_id=sorted(engine.eos_ids), pad_token_id=sorted(engine.eos_ids)[0], **kw)
+        with stock_attention(target):  # the reference runs stock transformers, not our attention
+            out = target.generate(torch.tensor([ids], device=device),
+                                  attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
+                                  assistant_model=helper, max_new_tokens=max_new_tokens,
+                                  eos_token_id=sorted(engine.eos_ids), pad_token_id=sorted(engine.eos_ids)[0],
+                                  **kw)
     finally:
         hook.remove()
     stats = Stats(method="hf_assisted")

@@ -1,10 +1,12 @@
+from types import SimpleNamespace
+
 import pytest
 import torch
 import transformers.integrations.sdpa_attention as hf_sdpa
 from transformers import DynamicCache
 
 from specgraft.core import attention
-from specgraft.core.attention import NAME, PositionalLayer, use_grouped_attention
+from specgraft.core.attention import NAME, PositionalLayer, grouped_sdpa, stock_attention, use_grouped_attention
 from specgraft.core.backend import TargetBackend
 from specgraft.core.tree import Tree
 
@@ -49,6 +51,22 @@ def run_steps(backend: TargetBackend) -> list[torch.Tensor]:
     return [o.logits for o in first + second]
 
 
+@pytest.mark.parametrize("mask_rows", [1, 3])
+@pytest.mark.parametrize("boolean", [False, True])
+def test_folded_heads_attend_as_repeated_heads(mask_rows, boolean):
+    """6 query heads on 2 key/value heads (groups 3 != key/value heads 2), sharp scores, masks per row or shared."""
+    torch.manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    q, k, v = torch.randn(3, 6, 5, 8) * 3, torch.randn(3, 2, 11, 8) * 3, torch.randn(3, 2, 11, 8)
+    visible = torch.rand(mask_rows, 1, 5, 11) < 0.6
+    visible[..., 0] = True  # every query sees something
+    mask = visible if boolean else torch.zeros(mask_rows, 1, 5, 11).masked_fill_(~visible, float("-inf"))
+    got, _ = grouped_sdpa(module, q, k, v, mask, scaling=0.5)
+    want, _ = hf_sdpa.sdpa_attention_forward(module, q, k, v, mask, scaling=0.5)
+    assert got.shape == want.shape == (3, 5, 6, 8)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
 def test_grouped_attention_scores_batched_trees_as_transformers_does_without_copying_heads(repeats):
     ours = TargetBackend(tiny_llama(seed=3))
     assert ours.model.config._attn_implementation == NAME and "|grouped-sdpa" in ours.capabilities.runtime
@@ -69,15 +87,15 @@ def test_the_cache_is_written_in_place_until_it_runs_out_of_spare_columns(monkey
     layer = backend.cache.layers[0]
     assert isinstance(layer, PositionalLayer)
     start = layer.keys.data_ptr()
-    for _ in range(10):  # the last step's tree fills column 31
+    for _ in range(11):  # the last step's 7-node tree fills columns 25-31
         backend.verify(TREES[0])
         backend.commit([0, 1])
-    assert layer.keys.data_ptr() == start
-    assert layer.keys.shape[2] == backend.prefix_len == len(PROMPTS[0]) + 20
-    for _ in range(30):  # past the spare columns: new buffers, the prefix copied into each
+    assert layer.keys.data_ptr() == start and layer._key_buf.shape[2] == 32
+    assert layer.keys.shape[2] == backend.prefix_len == len(PROMPTS[0]) + 22
+    for _ in range(29):  # past the spare columns: new buffers, the prefix copied into each
         backend.verify(TREES[0])
         backend.commit([0, 1])
-    assert layer.keys.data_ptr() != start and layer.keys.shape[2] == backend.prefix_len == len(PROMPTS[0]) + 80
+    assert layer._key_buf.shape[2] > 32 and layer.keys.shape[2] == backend.prefix_len == len(PROMPTS[0]) + 80
     reference = transformers_backend(tiny_llama())
     reference.prefill(torch.tensor(PROMPTS[0]))
     for _ in range(40):
@@ -96,3 +114,11 @@ def test_models_without_grouped_heads_or_on_another_attention_are_left_alone():
     cfg = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=4, attn_implementation="sdpa")
     assert not use_grouped_attention(LlamaForCausalLM(cfg))
+
+
+def test_the_outside_reference_runs_stock_attention_and_ours_comes_back():
+    model = tiny_llama()
+    TargetBackend(model)
+    with stock_attention(model):
+        assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == NAME

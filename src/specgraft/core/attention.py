@@ -24,6 +24,8 @@ concatenating (``DynamicLayer`` copies the whole cache every step).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -41,7 +43,7 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     groups = getattr(module, "num_key_value_groups", 1)
     b, heads, q_len, dim = query.shape
     if (groups == 1 or q_len == 1 or attention_mask is None or attention_mask.dim() != 4
-            or attention_mask.shape[1] != 1 or dropout or kwargs.get("position_bias") is not None
+            or attention_mask.shape[1] != 1 or attention_mask.shape[2] != q_len or dropout or kwargs.get("position_bias") is not None
             or kwargs.get("softcap") is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -49,7 +51,7 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     folded = query.reshape(b, kv_heads, groups * q_len, dim)
     mask = attention_mask.repeat(1, 1, groups, 1)
     out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
-    return out.reshape(b, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
+    return out.reshape(out.shape[0], heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(NAME, grouped_sdpa)
@@ -64,6 +66,20 @@ def use_grouped_attention(model: torch.nn.Module) -> bool:
     if getattr(config, "_attn_implementation", None) == "sdpa" and grouped:
         model.set_attn_implementation(NAME)
     return getattr(config, "_attn_implementation", None) == NAME
+
+
+@contextmanager
+def stock_attention(model: torch.nn.Module):
+    """transformers' own SDPA for the duration (an outside reference, e.g. its assisted generation, must run
+    stock transformers), switched back afterwards."""
+    ours = getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
+    if ours:
+        model.set_attn_implementation("sdpa")
+    try:
+        yield model
+    finally:
+        if ours:
+            model.set_attn_implementation(NAME)
 
 
 SPARE = 128  # spare columns a buffer is given when it grows: one copy per 128+ columns appended, not per step
