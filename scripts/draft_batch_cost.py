@@ -19,7 +19,9 @@ without options may list several methods with ',' (``eagle,graft``). ``--full-fr
 cell, one whose trees expand every level to ``top_k`` (``EagleDrafter.cap_frontier = False``: before the cap
 at what the rerank can keep), interleaved with the rest. ``--plain-head`` adds, for each EAGLE cell, one whose
 head keeps PyTorch's plain linear layers (loaded with ``SPECGRAFT_PREPACK=0``; the default head's layers are
-prepacked for oneDNN, ``backends/packed.py``).
+prepacked for oneDNN, ``backends/packed.py``). ``--per-unit-attention`` adds, for each batched EAGLE or Graft
+cell with B > 1, one whose head attends every request's unit in its own call (``HeadRunner.pad_attention =
+False``: before similar units shared one padded call).
 """
 
 from __future__ import annotations
@@ -58,15 +60,16 @@ PASSES = PassCounter()
 
 
 def one_cell(engine: Engine, method: str, prompts: list[str], batch: int, batched: bool, budget: int,
-             max_new_tokens: int, opts: dict, full_frontier: bool = False) -> list[dict]:
+             max_new_tokens: int, opts: dict, full_frontier: bool = False, per_unit: bool = False) -> list[dict]:
     """Every step with all ``batch`` requests in flight: its drafting seconds (propose + observe), head
     seconds, head forwards and the request units in them."""
     engine.batch_drafts = batched
     EagleDrafter.cap_frontier = not full_frontier
+    HeadRunner.pad_attention = not per_unit
     try:
         return cell_steps(engine, method, prompts, batch, budget, max_new_tokens, opts)
     finally:
-        engine.batch_drafts, EagleDrafter.cap_frontier = True, True
+        engine.batch_drafts, EagleDrafter.cap_frontier, HeadRunner.pad_attention = True, True, True
 
 
 # A plain-head cell asks for its drafter with this option (the default's value) on top of its own: another
@@ -134,6 +137,8 @@ def main() -> None:
                     help="also run every eagle cell expanding each level to top_k (no cap; see the docstring)")
     ap.add_argument("--plain-head", action="store_true",
                     help="also run every eagle cell with the head's plain (not prepacked) layers")
+    ap.add_argument("--per-unit-attention", action="store_true",
+                    help="add, for each batched cell with B > 1, one whose units attend one call each")
     ap.add_argument("--out", default="runs/draft-batch.json")
     args = ap.parse_args()
     engine = Engine(args.model, args.dtype, backend=args.backend)
@@ -150,6 +155,9 @@ def main() -> None:
         for method, opts in specs.values():
             if method == "eagle":
                 plain_head_prototype(engine, opts)
+    if args.per_unit_attention:
+        cells += [(m, b, "batched per-unit-attention") for m, b, mode in cells
+                  if b > 1 and mode == "batched" and specs[m][0] in ("eagle", "graft")]
     warm = list(specs.values()) + ([("eagle", {**opts, **PLAIN_HEAD}) for method, opts in specs.values()
                                      if method == "eagle"] if args.plain_head else [])
     for method, opts in warm:  # warm-up outside the set
@@ -165,7 +173,8 @@ def main() -> None:
             method, opts = specs[m]
             opts = {**opts, **PLAIN_HEAD} if mode.endswith("plain-head") else opts
             got = one_cell(engine, method, prompts, b, mode.startswith("batched"), args.budget, args.max_new_tokens,
-                           opts, full_frontier=mode.endswith("full-frontier"))
+                           opts, full_frontier=mode.endswith("full-frontier"),
+                           per_unit=mode.endswith("per-unit-attention"))
             steps[f"{m} B={b} {mode}"].extend(got)
             print(f"repeat {rep} {m} B={b} {mode}: {len(got)} steps, median draft "
                   f"{1000 * statistics.median(s['draft_s'] for s in got):.1f} ms", flush=True)

@@ -7,7 +7,8 @@ import torch
 from specgraft.core.backend import TargetBackend
 from specgraft.core.drafter import DraftContext, drive, drive_all
 from specgraft.core.sampling import SamplingParams
-from specgraft.eagle.batch import HeadCall, HeadRunner
+from specgraft.eagle import batch
+from specgraft.eagle.batch import HeadCall, HeadRunner, pad_group, padded_attention
 from specgraft.engine import Engine
 from specgraft.registry import make_drafter
 
@@ -43,25 +44,33 @@ def solo_and_engine(prompt, n):
     return ref, engine, proto, Counting(proto.runner)
 
 
+def runner_and_owner():
+    """A random head's runner on a tiny target, and an owner its forwards are credited to."""
+    head = random_head(tiny_llama(vocab=16, layers=4), list(range(16)))
+    return HeadRunner.of(head), type("Owner", (), {"forward_s": 0.0})()
+
+
+def head_call(runner, owner, t: int, s: int, fuse: bool) -> HeadCall:
+    """A unit of ``t`` new rows over ``s`` cached ones: target features through fc (causal, the last row's logits),
+    or a tree level (each row sees the cache and itself only, every row's logits)."""
+    H, nkv, d = 32, runner.head.config.num_key_value_heads, runner.head.config.head_dim
+    past = None if s == 0 else (torch.randn(1, nkv, s, d), torch.randn(1, nkv, s, d))
+    bias = None
+    if not fuse:
+        bias = torch.zeros(1, 1, t, s + t)
+        bias[0, 0, :, s:] = float("-inf")
+        bias[0, 0, :, s:].fill_diagonal_(0)
+    return HeadCall(runner, owner, torch.randn(t, 3 * H if fuse else H), fuse, torch.randint(0, 16, (t,)),
+                    torch.arange(s, s + t), past, bias, slice(-1, None) if fuse else slice(None))
+
+
 def test_ragged_units_in_one_pass_equal_each_alone():
     """Units of different lengths, caches and masks, some through fc, some with logits: the batched pass
     returns what each unit gets alone."""
-    target = tiny_llama(vocab=16, layers=4)
-    head = random_head(target, list(range(16)))
-    runner = HeadRunner.of(head)
-    owner = type("Owner", (), {"forward_s": 0.0})()
+    runner, owner = runner_and_owner()
     torch.manual_seed(0)
-    H, nkv, d = 32, head.config.num_key_value_heads, head.config.head_dim
-    calls = []
-    for t, s, fuse in ((3, 0, True), (1, 5, False), (4, 9, True), (2, 2, False)):
-        past = None if s == 0 else (torch.randn(1, nkv, s, d), torch.randn(1, nkv, s, d))
-        bias = None
-        if not fuse:  # a tree level: each row sees the cache and itself only
-            bias = torch.zeros(1, 1, t, s + t)
-            bias[0, 0, :, s:] = float("-inf")
-            bias[0, 0, :, s:].fill_diagonal_(0)
-        calls.append(HeadCall(runner, owner, torch.randn(t, 3 * H if fuse else H), fuse, torch.randint(0, 16, (t,)),
-                              torch.arange(s, s + t), past, bias, slice(-1, None) if fuse else slice(None)))
+    calls = [head_call(runner, owner, t, s, fuse) for t, s, fuse in ((3, 0, True), (1, 5, False), (4, 9, True),
+                                                                      (2, 2, False))]
     together = runner.run(calls)
     for call, got in zip(calls, together):
         (alone,) = runner.run([call])
@@ -69,6 +78,61 @@ def test_ragged_units_in_one_pass_equal_each_alone():
             assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
     assert together[0].logp.shape == (1, 16) and together[1].logp.shape == (1, 16)
     assert owner.forward_s > 0
+
+
+def test_padded_attention_equals_each_unit_alone():
+    """Units of different row counts and cache lengths, with and without a cache or a mask, in one padded call:
+    each gets what Eagle3Head.attend gives it alone (2 key/value heads under 4 query heads, sharp scores)."""
+    target = tiny_llama(vocab=16, layers=4)
+    head = random_head(target, list(range(16)))
+    nh, nkv, d = head.config.num_attention_heads, head.config.num_key_value_heads, head.config.head_dim
+    assert nh > nkv
+    torch.manual_seed(0)
+    units = []
+    for t, s, masked in ((3, 0, False), (1, 5, True), (4, 9, True), (2, 2, False), (6, 7, True)):
+        q, k, v = 3 * torch.randn(1, nh, t, d), 3 * torch.randn(1, nkv, t, d), torch.randn(1, nkv, t, d)
+        past = None if s == 0 else (3 * torch.randn(1, nkv, s, d), torch.randn(1, nkv, s, d))
+        bias = None
+        if masked:  # a tree level: each row sees a random part of the cache and itself
+            bias = torch.zeros(1, 1, t, s + t)
+            bias[0, 0, :, :s][torch.rand(t, s) < 0.4] = float("-inf")
+            bias[0, 0, :, s:] = float("-inf")
+            bias[0, 0, :, s:].fill_diagonal_(0)
+        units.append((q, k, v, past, bias))
+    together = padded_attention(head, units)
+    for unit, got in zip(units, together):
+        alone = head.attend(*unit)[0]
+        assert got.shape == alone.shape == (unit[0].shape[2], nh * d)
+        assert torch.allclose(got, alone, atol=1e-5)
+
+
+def test_pad_group_leaves_out_a_prompt_beside_one_row_neighbours():
+    """Golden groups: similar units pad together; a unit whose padding would multiply the work attends alone."""
+    assert pad_group([(6, 200), (5, 180), (6, 210), (4, 150)]) == [0, 1, 2, 3]
+    assert pad_group([(6, 200), (5, 180), (300, 0), (6, 210)]) == [0, 1, 3]
+    assert pad_group([(300, 0), (1, 40)]) == []
+    assert pad_group([(100, 0), (10, 2000), (10, 2000)]) == [1, 2]  # the prompt goes, not a long-cached level
+    assert pad_group([(2, 10)]) == []
+    assert pad_group([]) == []
+
+
+def test_the_runner_pads_the_batch_and_gives_what_per_unit_attention_gives(monkeypatch):
+    """One padded call for a batch of tree levels, a new request's prompt beside them attending alone: the same
+    outputs, in the same order, as every unit attending alone."""
+    runner, owner = runner_and_owner()
+    torch.manual_seed(0)
+    calls = [head_call(runner, owner, t, s, fuse) for t, s, fuse in ((3, 12, False), (4, 9, False), (40, 0, True),
+                                                                      (2, 14, False), (4, 11, False))]
+    padded_calls = []
+    real = batch.padded_attention
+    monkeypatch.setattr(batch, "padded_attention", lambda h, units: padded_calls.append(len(units)) or real(h, units))
+    padded = runner.run(calls)
+    monkeypatch.setattr(HeadRunner, "pad_attention", False)
+    per_unit = runner.run(calls)
+    assert padded_calls == [4]
+    for a, b in zip(padded, per_unit):
+        assert a.h.shape == b.h.shape and a.logp.shape == b.logp.shape
+        assert torch.allclose(a.h, b.h, atol=1e-5) and torch.allclose(a.logp, b.logp, atol=1e-4)
 
 
 def test_batched_trees_equal_solo_trees_and_run_one_pass_per_round():

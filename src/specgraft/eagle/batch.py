@@ -3,10 +3,13 @@
 Each request's drafter hands out :class:`HeadCall` units (``core.drafter.Work``): its new pairs' features,
 tokens, positions, its own head KV cache and visibility mask. :meth:`HeadRunner.run` stacks every unit's rows
 (ragged: each request has its own count) through the head's linear layers once -- ``fc``, q/k/v, ``o_proj``, the
-MLP and the draft ``lm_head``, where the time goes -- and runs attention per unit against that unit's own cache::
+MLP and the draft ``lm_head``, where the time goes -- and runs each unit's attention against its own cache::
 
     rows      [T_1 | T_2 | ... | T_B]           one matrix through fc, qkv, o_proj, mlp, lm_head
     attention unit b: q_b over (past_b, k_b) with bias_b         (each request's cache has its own length)
+
+Units of similar shape (a batch's tree levels) attend in one padded call, masked so that padding gets no weight;
+a unit that would multiply the padding (a new request's prompt) attends alone.
 
 A unit alone (B = 1) is the same code, so a request drafts the same tree alone or batched, up to float
 rounding of a different matrix shape; verification keeps the output lossless either way.
@@ -56,6 +59,9 @@ class HeadResult:
 class HeadRunner:
     """The one runner of a head: every drafter on the same head object batches with every other."""
 
+    # False: every unit attends alone (scripts/draft_batch_cost.py's --per-unit-attention cells)
+    pad_attention = True
+
     def __init__(self, head: Eagle3Head):
         self.head = head
 
@@ -84,10 +90,7 @@ class HeadRunner:
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + n)
-        # Attention per unit, against its own cache: padding every unit to the longest would cost B * T_max *
-        # (S_max + T_max) (a new request's whole prompt beside one-row neighbours), and measured no faster.
-        mixed = torch.cat([head.attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], c.past, c.bias)
-                           for c, a, b in zip(calls, offsets, offsets[1:])], 1)
+        mixed = self.attend(q, k, v, calls, offsets)
         h = head.midlayer.finish(feat, attn.o_proj(mixed))[0]  # [T, H]
         per_call = [h[a:b] for a, b in zip(offsets, offsets[1:])]
         wanted = [i for i, c in enumerate(calls) if c.logit_rows is not None]
@@ -103,3 +106,80 @@ class HeadRunner:
             c.owner.forward_s += elapsed * n / total
         return out
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: list[HeadCall],
+               offsets: list[int]) -> torch.Tensor:
+        """Every unit's attention against its own cache: ``q [1, nh, T, d]``, ``k, v [1, nkv, T, d]`` (all units'
+        rows, unit ``i`` at ``offsets[i]:offsets[i + 1]``) -> ``[1, T, nh*d]``. Units of similar shape share one
+        padded call (:func:`padded_attention`); the rest (a new request's prompt beside one-row neighbours) attend
+        alone."""
+        spans = list(zip(offsets, offsets[1:]))
+        shapes = [(b - a, 0 if c.past is None else c.past[0].shape[2]) for c, (a, b) in zip(calls, spans)]
+        together = pad_group(shapes) if self.pad_attention else []
+        parts: list[torch.Tensor | None] = [None] * len(calls)
+        if together:
+            units = [(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], calls[i].past, calls[i].bias)
+                     for i in together for a, b in (spans[i],)]
+            for i, part in zip(together, padded_attention(self.head, units)):
+                parts[i] = part
+        for i, ((a, b), c) in enumerate(zip(spans, calls)):
+            if parts[i] is None:
+                parts[i] = self.head.attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], c.past, c.bias)[0]
+        return torch.cat(parts).unsqueeze(0)
+
+
+# Units share one padded attention call while its score entries (units x T_max x (S_max + T_max)) stay within
+# this factor of their own: past it (a prompt's rows beside one-row neighbours) the padding costs more than the
+# calls it saves.
+PAD_WASTE = 2.0
+
+
+def pad_group(shapes: list[tuple[int, int]]) -> list[int]:
+    """Units (new rows ``T``, cached ``S``) that attend in one padded call: all of them, less units dropped one at
+    a time (each time the one whose absence pads least) until the padding fits ``PAD_WASTE``; empty when fewer
+    than two remain."""
+
+    def waste(group: list[int]) -> float:
+        t, s = max(shapes[i][0] for i in group), max(shapes[i][1] for i in group)
+        own = sum(shapes[i][0] * sum(shapes[i]) for i in group)
+        return len(group) * t * (s + t) / own if own else 1.0
+
+    group = list(range(len(shapes)))
+    while len(group) > 1:
+        if waste(group) <= PAD_WASTE:
+            return group
+        group = min(([j for j in group if j != i] for i in group), key=waste)
+    return []
+
+
+def padded_attention(head: Eagle3Head, units: list[tuple]) -> list[torch.Tensor]:
+    """Attention of several units in one call, as :meth:`Eagle3Head.attend` computes each alone.
+
+    ``units``: ``(q [1, nh, T_i, d], k, v [1, nkv, T_i, d], past (k, v) [1, nkv, S_i, d] or None,
+    bias [1, 1, T_i, S_i + T_i] or None)``. Each unit is padded to ``T = max T_i`` query rows and ``S + T`` keys
+    (``S = max S_i``): its cache at columns ``0..S_i``, its new keys at ``S..S + T_i``. Every padded column is
+    masked, so the softmax gives it exactly zero weight. Padded query rows see column 0 only (a row that sees
+    nothing would be NaN) and are dropped. Returns each unit's ``[T_i, nh*d]``.
+    """
+    attn = head.midlayer.self_attn
+    first = units[0][0]
+    n, nh, d, nkv = len(units), first.shape[1], first.shape[3], units[0][1].shape[1]
+    T = max(u[0].shape[2] for u in units)
+    S = max(0 if u[3] is None else u[3][0].shape[2] for u in units)
+    Q = first.new_zeros(n, nh, T, d)
+    K, V = first.new_zeros(n, nkv, S + T, d), first.new_zeros(n, nkv, S + T, d)
+    bias = torch.full((n, 1, T, S + T), float("-inf"), dtype=first.dtype, device=first.device)
+    for j, (q, k, v, past, own) in enumerate(units):
+        t, s = q.shape[2], 0 if past is None else past[0].shape[2]
+        Q[j, :, :t], K[j, :, S:S + t], V[j, :, S:S + t] = q[0], k[0], v[0]
+        if past is not None:
+            K[j, :, :s], V[j, :, :s] = past[0][0], past[1][0]
+        if own is None:  # causal over the new rows, all of the cache visible
+            bias[j, 0, :t, :s] = 0
+            bias[j, 0, :t, S:S + t] = torch.full((t, t), float("-inf"), dtype=first.dtype,
+                                                  device=first.device).triu(1)
+        else:
+            bias[j, 0, :t, :s], bias[j, 0, :t, S:S + t] = own[0, 0, :, :s], own[0, 0, :, s:]
+        bias[j, 0, t:, 0] = 0
+    p = torch.softmax((attn.scores(Q, K) + bias).float(), -1).to(first.dtype)
+    mixed = attn.weighted(p, V)  # [n, T, nh*d]
+    return [mixed[j, :u[0].shape[2]] for j, u in enumerate(units)]
