@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .head import Eagle3Head
+from .head import Eagle3Head, causal_bias
 
 
 @dataclass
@@ -117,8 +117,8 @@ class HeadRunner:
         together = pad_group(shapes) if self.pad_attention else []
         parts: list[torch.Tensor | None] = [None] * len(calls)
         if together:
-            units = [(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], calls[i].past, calls[i].bias)
-                     for i in together for a, b in (spans[i],)]
+            cuts = [slice(*spans[i]) for i in together]
+            units = [(q[:, :, r], k[:, :, r], v[:, :, r], calls[i].past, calls[i].bias) for i, r in zip(together, cuts)]
             for i, part in zip(together, padded_attention(self.head, units)):
                 parts[i] = part
         for i, ((a, b), c) in enumerate(zip(spans, calls)):
@@ -173,12 +173,8 @@ def padded_attention(head: Eagle3Head, units: list[tuple]) -> list[torch.Tensor]
         Q[j, :, :t], K[j, :, S:S + t], V[j, :, S:S + t] = q[0], k[0], v[0]
         if past is not None:
             K[j, :, :s], V[j, :, :s] = past[0][0], past[1][0]
-        if own is None:  # causal over the new rows, all of the cache visible
-            bias[j, 0, :t, :s] = 0
-            bias[j, 0, :t, S:S + t] = torch.full((t, t), float("-inf"), dtype=first.dtype,
-                                                  device=first.device).triu(1)
-        else:
-            bias[j, 0, :t, :s], bias[j, 0, :t, S:S + t] = own[0, 0, :, :s], own[0, 0, :, s:]
+        own = causal_bias(t, s, first) if own is None else own[0, 0]
+        bias[j, 0, :t, :s], bias[j, 0, :t, S:S + t] = own[:, :s], own[:, s:]
         bias[j, 0, t:, 0] = 0
     p = torch.softmax((attn.scores(Q, K) + bias).float(), -1).to(first.dtype)
     mixed = attn.weighted(p, V)  # [n, T, nh*d]

@@ -180,8 +180,7 @@ class Eagle3Head(nn.Module):
         attn = self.midlayer.self_attn
         T, S = q.shape[2], 0 if past is None else past[0].shape[2]
         if bias is None:
-            bias = torch.zeros(T, S + T, dtype=q.dtype, device=q.device)
-            bias[:, S:] = torch.full((T, T), float("-inf"), device=q.device).triu(1)
+            bias = causal_bias(T, S, q)
         # Scores against the cached keys and the new ones are joined, not the keys themselves: no copy of
         # the cache per call (the drafter's cache is a view of a buffer written by position).
         scores = attn.scores(q, k) if past is None else torch.cat([attn.scores(q, past[0]), attn.scores(q, k)], -1)
@@ -190,6 +189,14 @@ class Eagle3Head(nn.Module):
         if past is not None:
             mixed = mixed + attn.weighted(p[..., :S].contiguous(), past[1])
         return mixed
+
+
+def causal_bias(t: int, s: int, like: torch.Tensor) -> torch.Tensor:
+    """``[t, s + t]`` additive mask (``like``'s dtype and device): all ``s`` cached columns visible, causal over
+    the ``t`` new ones."""
+    bias = torch.zeros(t, s + t, dtype=like.dtype, device=like.device)
+    bias[:, s:] = torch.full((t, t), float("-inf"), device=like.device).triu(1)
+    return bias
 
 
 def parameter_count(head: Eagle3Head) -> int:
