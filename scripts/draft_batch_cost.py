@@ -21,7 +21,9 @@ at what the rerank can keep), interleaved with the rest. ``--plain-head`` adds, 
 head keeps PyTorch's plain linear layers (loaded with ``SPECGRAFT_PREPACK=0``; the default head's layers are
 prepacked for oneDNN, ``backends/packed.py``). ``--per-unit-attention`` adds, for each batched EAGLE or Graft
 cell with B > 1, one whose head attends every request's unit in its own call (``HeadRunner.pad_attention =
-False``: before similar units shared one padded call).
+False``: before similar units shared one padded call). ``--plain-topk`` adds, for each batched Graft or Token
+Recycling cell, one whose adjacency-matrix updates take ``torch.topk`` over the whole vocabulary
+(``AdjacencyMatrix.blocked_topk = False``: before the blocked top-k).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specgraft.drafters.matrix import AdjacencyMatrix
 from specgraft.eagle.batch import HeadRunner
 from specgraft.eagle.drafter import EagleDrafter
 from specgraft.engine import Engine
@@ -60,16 +63,19 @@ PASSES = PassCounter()
 
 
 def one_cell(engine: Engine, method: str, prompts: list[str], batch: int, batched: bool, budget: int,
-             max_new_tokens: int, opts: dict, full_frontier: bool = False, per_unit: bool = False) -> list[dict]:
+             max_new_tokens: int, opts: dict, full_frontier: bool = False, per_unit: bool = False,
+             plain_topk: bool = False) -> list[dict]:
     """Every step with all ``batch`` requests in flight: its drafting seconds (propose + observe), head
     seconds, head forwards and the request units in them."""
     engine.batch_drafts = batched
     EagleDrafter.cap_frontier = not full_frontier
     HeadRunner.pad_attention = not per_unit
+    AdjacencyMatrix.blocked_topk = not plain_topk
     try:
         return cell_steps(engine, method, prompts, batch, budget, max_new_tokens, opts)
     finally:
         engine.batch_drafts, EagleDrafter.cap_frontier, HeadRunner.pad_attention = True, True, True
+        AdjacencyMatrix.blocked_topk = True
 
 
 # A plain-head cell asks for its drafter with this option (the default's value) on top of its own: another
@@ -139,6 +145,8 @@ def main() -> None:
                     help="also run every eagle cell with the head's plain (not prepacked) layers")
     ap.add_argument("--per-unit-attention", action="store_true",
                     help="add, for each batched cell with B > 1, one whose units attend one call each")
+    ap.add_argument("--plain-topk", action="store_true",
+                    help="add, for each batched graft or recycle cell, one whose matrix updates take torch.topk")
     ap.add_argument("--out", default="runs/draft-batch.json")
     args = ap.parse_args()
     engine = Engine(args.model, args.dtype, backend=args.backend)
@@ -158,6 +166,9 @@ def main() -> None:
     if args.per_unit_attention:
         cells += [(m, b, "batched per-unit-attention") for m, b, mode in cells
                   if b > 1 and mode == "batched" and specs[m][0] in ("eagle", "graft")]
+    if args.plain_topk:
+        cells += [(m, b, "batched plain-topk") for m, b, mode in cells
+                  if mode == "batched" and specs[m][0] in ("graft", "recycle")]
     warm = list(specs.values()) + ([("eagle", {**opts, **PLAIN_HEAD}) for method, opts in specs.values()
                                      if method == "eagle"] if args.plain_head else [])
     for method, opts in warm:  # warm-up outside the set
@@ -174,7 +185,7 @@ def main() -> None:
             opts = {**opts, **PLAIN_HEAD} if mode.endswith("plain-head") else opts
             got = one_cell(engine, method, prompts, b, mode.startswith("batched"), args.budget, args.max_new_tokens,
                            opts, full_frontier=mode.endswith("full-frontier"),
-                           per_unit=mode.endswith("per-unit-attention"))
+                           per_unit=mode.endswith("per-unit-attention"), plain_topk=mode.endswith("plain-topk"))
             steps[f"{m} B={b} {mode}"].extend(got)
             print(f"repeat {rep} {m} B={b} {mode}: {len(got)} steps, median draft "
                   f"{1000 * statistics.median(s['draft_s'] for s in got):.1f} ms", flush=True)

@@ -13,6 +13,55 @@ import torch
 from ..core.drafter import last_occurrences
 from ..core.tree import SOURCE_RETRIEVAL, SOURCE_ROOT, Tree
 
+# Columns per block in :func:`top_indices`: a block's maximum is one vector reduction, and the k best blocks'
+# k * 128 columns make a second top-k that costs next to nothing.
+BLOCK = 128
+
+
+def full_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """``torch.topk``'s columns over the whole row (``AdjacencyMatrix.blocked_topk = False``)."""
+    return torch.topk(logits, k, dim=-1).indices
+
+
+def block_maxima(blocks: torch.Tensor) -> torch.Tensor:
+    """``[..., n, BLOCK] -> [..., n]`` keys ordered as the blocks' maxima. ``amax`` itself, except on 2-byte floats
+    (bf16, fp16), whose ``amax`` is slower on CPU than a reduction over their bits as int16 (measured ~3x): those
+    bits order non-negative values as the floats do and negative values in reverse, so a block's maximum is its
+    largest bits when it holds a non-negative value, else its smallest bits, flipped below every non-negative."""
+    if blocks.element_size() != 2 or not blocks.is_floating_point():
+        return blocks.amax(-1)
+    bits = blocks.view(torch.int16)
+    high, low = bits.amax(-1), bits.amin(-1)
+    return torch.where(high >= 0, high, low ^ 0x7FFF)
+
+
+def top_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`full_topk` for ``logits [W, V]`` (descending) without a selection over all ``V`` columns of every
+    row, which is most of the matrix update's cost on a large vocabulary (docs/benchmarks.md, "The matrix
+    update's top-k, blocked"):
+
+        block maxima   [W, V // BLOCK]          one reduction over the row
+        best k blocks  [W, k]                   top-k of the maxima
+        candidates     [W, k * BLOCK + tail]    those blocks' columns, plus the columns past the last full block
+        result         [W, k]                   top-k of the candidates, mapped back to columns
+
+    Exact: an entry among a row's k largest lies in one of the k blocks with the largest maxima (outside them,
+    k block maxima, each a different entry, are at least as large). The values equal ``torch.topk``'s, and so do
+    the columns unless entries tie at the k-th value (then each may pick another of the tied columns)."""
+    rows, vocab = logits.shape
+    blocks = vocab // BLOCK
+    if blocks < 4 * k:  # the candidates would be a large share of the row: nothing to save
+        return full_topk(logits, k)
+    full = logits[:, : blocks * BLOCK].unflatten(-1, (blocks, BLOCK))  # a view, whatever the strides
+    best = torch.topk(block_maxima(full), k, dim=-1).indices  # [W, k]
+    cand = torch.gather(full, 1, best.unsqueeze(-1).expand(rows, k, BLOCK)).flatten(1)  # [W, k * BLOCK]
+    cols = (best.unsqueeze(-1) * BLOCK + torch.arange(BLOCK, device=logits.device)).flatten(1)
+    if blocks * BLOCK < vocab:  # the tail that fills no block: every column is a candidate
+        cand = torch.cat([cand, logits[:, blocks * BLOCK:]], 1)
+        tail = torch.arange(blocks * BLOCK, vocab, device=logits.device)
+        cols = torch.cat([cols, tail.expand(rows, -1)], 1)
+    return torch.gather(cols, 1, torch.topk(cand, k, dim=-1).indices)
+
 
 def compile_template(paths: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rank paths -> (parents, ranks, depths) over ``1 + len(paths)`` nodes, node 0 the root.
@@ -35,6 +84,10 @@ def compile_template(paths: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, np
 class AdjacencyMatrix:
     """``[V, k]`` int64 successor table; ``-1`` marks a row never written (cold)."""
 
+    # False: updates take torch.topk over the whole vocabulary (scripts/matrix_topk_cost.py and
+    # scripts/draft_batch_cost.py --plain-topk measure the difference)
+    blocked_topk = True
+
     def __init__(self, vocab_size: int, k: int = 8):
         self.k = k
         self.table = torch.full((vocab_size, k), -1, dtype=torch.long)
@@ -53,11 +106,12 @@ class AdjacencyMatrix:
             raise ValueError(f"matrix update: {logits.shape[0]} logit rows for {len(toks)} tokens")
         last = list({t: j for j, t in enumerate(toks)}.values())  # dict keeps the last index per token
         k = min(self.k, logits.shape[-1])
+        top = top_indices if self.blocked_topk else full_topk
         if len(last) == len(toks):  # no repeats (the usual tree): no copy of [W, V] rows before the top-k
-            self.table[tokens, :k] = torch.topk(logits, k, dim=-1).indices
+            self.table[tokens, :k] = top(logits, k)
             return
         idx = torch.tensor(last, dtype=torch.long)
-        self.table[tokens[idx], :k] = torch.topk(logits.index_select(0, idx), k, dim=-1).indices
+        self.table[tokens[idx], :k] = top(logits.index_select(0, idx), k)
 
     def update_prompt(self, prompt_ids: list[int], logits: torch.Tensor) -> None:
         """The prefill's observations: ``logits`` are the rows at ``last_occurrences(prompt_ids)`` (what the
