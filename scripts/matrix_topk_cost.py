@@ -1,5 +1,5 @@
 """The adjacency matrix's update top-k: ``torch.topk`` over the whole vocabulary against the blocked top-k
-(``drafters/matrix.py``'s ``top_indices``), on ``[W, V]`` logits of the shapes the update sees: W verified nodes
+(``drafters/matrix.py``'s ``top_indices``, which the update calls: blocked where that saves time), on ``[W, V]`` logits of the shapes the update sees: W verified nodes
 a step (B requests x their tree), or a prompt's rows at prefill.
 
     python scripts/matrix_topk_cost.py --vocab 151936 49152 --rows 1 8 64 128 --dtype bfloat16 float32

@@ -5,16 +5,17 @@ wrong candidate set."""
 import pytest
 import torch
 
-from specgraft.drafters.matrix import BLOCK, AdjacencyMatrix, block_maxima, top_indices
+from specgraft.drafters.matrix import BLOCK, AdjacencyMatrix, block_maxima, blocked_topk, top_indices
 
 QWEN_VOCAB, SMOLLM2_VOCAB = 151936, 49152
 
 
-@pytest.mark.parametrize("vocab", [QWEN_VOCAB, SMOLLM2_VOCAB, 130 * BLOCK + 57, 1000])
+@pytest.mark.parametrize("vocab", [QWEN_VOCAB, SMOLLM2_VOCAB, 130 * BLOCK + 57, 8 * BLOCK])
 @pytest.mark.parametrize("k", [1, 8])
-def test_top_indices_are_torch_topk_on_distinct_values(vocab, k):
+@pytest.mark.parametrize("top", [blocked_topk, top_indices])
+def test_top_indices_are_torch_topk_on_distinct_values(vocab, k, top):
     logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab + k))
-    assert torch.equal(top_indices(logits, k), torch.topk(logits, k, dim=-1).indices)
+    assert torch.equal(top(logits, k), torch.topk(logits, k, dim=-1).indices)
 
 
 def adversarial_rows(vocab: int, k: int) -> torch.Tensor:
@@ -32,10 +33,10 @@ def adversarial_rows(vocab: int, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_top_indices_finds_winners_a_wrong_candidate_set_misses(k):
     rows = adversarial_rows(200 * BLOCK + 9, k)
-    assert torch.equal(top_indices(rows, k), torch.topk(rows, k, dim=-1).indices)
+    assert torch.equal(blocked_topk(rows, k), torch.topk(rows, k, dim=-1).indices)
 
 
-def test_top_indices_selects_over_the_candidates_only_on_a_large_vocabulary(monkeypatch):
+def test_top_indices_selects_over_the_candidates_only_where_it_saves_time(monkeypatch):
     widths = []
     real = torch.topk
 
@@ -48,7 +49,8 @@ def test_top_indices_selects_over_the_candidates_only_on_a_large_vocabulary(monk
     assert widths == [QWEN_VOCAB // BLOCK, 8 * BLOCK]  # block maxima, then 8 blocks' columns: never the row
     widths.clear()
     top_indices(torch.randn(3, 1000), 8)  # too few blocks to save anything: one selection over the row
-    assert widths == [1000]
+    top_indices(torch.randn(1, SMOLLM2_VOCAB), 8)  # one row of a small vocabulary: the same
+    assert widths == [1000, SMOLLM2_VOCAB]
 
 
 def test_top_indices_on_bf16_and_strided_rows():
@@ -59,7 +61,7 @@ def test_top_indices_on_bf16_and_strided_rows():
     bf16 = (torch.rand(2, QWEN_VOCAB, generator=g) - 0.5).to(torch.bfloat16)  # ties everywhere below the top 9
     bf16[:, torch.randperm(QWEN_VOCAB, generator=g)[:9]] = torch.arange(9, 0, -1, dtype=torch.bfloat16)
     for logits in (row_slice, strided, bf16):
-        assert torch.equal(top_indices(logits, 8), torch.topk(logits, 8, dim=-1).indices)
+        assert torch.equal(blocked_topk(logits, 8), torch.topk(logits, 8, dim=-1).indices)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -81,7 +83,7 @@ def test_top_indices_on_ties_at_the_kth_value_keeps_the_winners_and_picks_tied_c
     logits[:, winners] = torch.tensor([9.0, 8, 7, 6, 5], dtype=torch.bfloat16)
     tied = torch.tensor([12, 640, 70000, 151900])
     logits[:, tied] = 1.0  # three of these four fill ranks 6-8
-    got = top_indices(logits, 8)
+    got = blocked_topk(logits, 8)
     for row in got.tolist():
         assert row[:5] == winners.tolist()
         assert len(set(row[5:])) == 3 and set(row[5:]) <= set(tied.tolist())

@@ -13,9 +13,13 @@ import torch
 from ..core.drafter import last_occurrences
 from ..core.tree import SOURCE_RETRIEVAL, SOURCE_ROOT, Tree
 
-# Columns per block in :func:`top_indices`: a block's maximum is one vector reduction, and the k best blocks'
+# Columns per block in :func:`blocked_topk`: a block's maximum is one vector reduction, and the k best blocks'
 # k * 128 columns make a second top-k that costs next to nothing.
 BLOCK = 128
+# top_indices: fewer entries than this take one selection (so do rows whose candidates would be a large share of
+# them): the blocked top-k's few extra calls cost ~0.08 ms, more than it saves on one 49,152-column row (measured on a Zen 4
+# EPYC: 0.20 against 0.12 ms in bf16; docs/data/matrix-topk-zen4.json)
+SMALL = 1 << 17
 
 
 def full_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -36,9 +40,17 @@ def block_maxima(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def top_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """:func:`full_topk` for ``logits [W, V]`` (descending) without a selection over all ``V`` columns of every
-    row, which is most of the matrix update's cost on a large vocabulary (docs/benchmarks.md, "The matrix
-    update's top-k, blocked"):
+    """:func:`full_topk` for ``logits [W, V]``: :func:`blocked_topk` where it saves time, else one selection."""
+    rows, vocab = logits.shape
+    if vocab // BLOCK < 4 * k or rows * vocab < SMALL:
+        return full_topk(logits, k)
+    return blocked_topk(logits, k)
+
+
+def blocked_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`full_topk` for ``logits [W, V]`` (``V >= k * BLOCK``; descending) without a selection over all
+    ``V`` columns of every row, which is most of the matrix update's cost on a large vocabulary (docs/serving.md,
+    "The matrix update's top-k, blocked"):
 
         block maxima   [W, V // BLOCK]          one reduction over the row
         best k blocks  [W, k]                   top-k of the maxima
@@ -50,8 +62,6 @@ def top_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
     the columns unless entries tie at the k-th value (then each may pick another of the tied columns)."""
     rows, vocab = logits.shape
     blocks = vocab // BLOCK
-    if blocks < 4 * k:  # the candidates would be a large share of the row: nothing to save
-        return full_topk(logits, k)
     full = logits[:, : blocks * BLOCK].unflatten(-1, (blocks, BLOCK))  # a view, whatever the strides
     best = torch.topk(block_maxima(full), k, dim=-1).indices  # [W, k]
     cand = torch.gather(full, 1, best.unsqueeze(-1).expand(rows, k, BLOCK)).flatten(1)  # [W, k * BLOCK]
