@@ -1,14 +1,15 @@
-"""The adjacency matrix's update top-k: ``torch.topk`` over the whole vocabulary against the blocked top-k
-(``drafters/matrix.py``'s ``top_indices``, which the update calls: blocked where that saves time), on ``[W, V]`` logits of the shapes the update sees: W verified nodes
-a step (B requests x their tree), or a prompt's rows at prefill.
+"""The adjacency matrix's update top-k: ``torch.topk`` over the whole vocabulary against ``top_indices``
+(``drafters/matrix.py``; what the update calls: the blocked top-k where that saves time), on ``[W, V]`` logits
+of the shapes the update sees: W verified nodes a step (B requests x their tree), or a prompt's rows at prefill.
 
     python scripts/matrix_topk_cost.py --vocab 151936 49152 --rows 1 8 64 128 --dtype bfloat16 float32
 
 Logits are standard normal (seeded): the blocked top-k does the same work on any values, ``torch.topk``'s
-selection may not (scripts/draft_batch_cost.py --plain-topk times both on a real model's logits). Each repetition runs
-both arms on every cell (``--calls`` calls each, timed together), the arms' order alternating; repetition 0 is the warm-up. Every call's values are
-checked equal between the arms. Prints a table (median ms per call; blocked / plain as a ratio of mean times with
-a bootstrap 95% interval over repetitions) and writes the per-repetition times as JSON.
+selection may not (scripts/draft_batch_cost.py --plain-topk times both on a real model's logits). Each repetition
+runs both arms on every cell (``--calls`` calls each, timed together), the arms' order alternating; repetition 0
+is the warm-up. Every call's values are checked equal between the arms. Prints a table (median ms per call;
+blocked / plain as a ratio of mean times with a bootstrap 95% interval over repetitions) and writes the
+per-repetition times as JSON.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from ..core.tree import SOURCE_RETRIEVAL, SOURCE_ROOT, Tree
 # k * 128 columns make a second top-k that costs next to nothing.
 BLOCK = 128
 # top_indices: fewer entries than this take one selection (so do rows whose candidates would be a large share of
-# them): the blocked top-k's few extra calls cost ~0.08 ms, more than it saves on one 49,152-column row (measured on a Zen 4
-# EPYC: 0.20 against 0.12 ms in bf16; docs/data/matrix-topk-zen4.json)
+# them): the blocked top-k's extra calls cost ~0.08 ms, more than it saves on one 49,152-column row (a Zen 4 EPYC:
+# 0.20 against 0.12 ms in bf16, docs/serving.md "The matrix update's top-k, blocked")
 SMALL = 1 << 17
 
 
@@ -49,7 +49,7 @@ def top_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 def blocked_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
     """:func:`full_topk` for ``logits [W, V]`` (``V >= k * BLOCK``; descending) without a selection over all
-    ``V`` columns of every row, which is most of the matrix update's cost on a large vocabulary (docs/serving.md,
+    ``V`` columns of every row, the matrix update's main cost on a large vocabulary (docs/serving.md,
     "The matrix update's top-k, blocked"):
 
         block maxima   [W, V // BLOCK]          one reduction over the row
