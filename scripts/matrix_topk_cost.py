@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -79,12 +78,10 @@ def main() -> None:
         summary[name] = {arm: round(1000 * statistics.median(t), 3) for arm, t in arms.items()}
         summary[name]["ratio"] = [round(est.point, 3), round(est.lo, 3), round(est.hi, 3)]
         print(f"| {name} | {summary[name]['plain']} | {summary[name]['blocked']} | {est.fmt()} |")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                text=True).stdout.strip())
+    env = environment()  # the machine, and the commit with its dirty flag
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "commit": commit, "dirty": dirty, "threads":
-                                          torch.get_num_threads(), "environment": environment(),
+    Path(args.out).write_text(json.dumps({"args": vars(args), "commit": env.get("commit"), "dirty": env.get("dirty"),
+                                          "threads": torch.get_num_threads(), "environment": env,
                                           "summary": summary, "times": times}, indent=1))
 
 
